@@ -1,0 +1,137 @@
+"""One layer's compressed K/V storage: packed groups, a full-precision residual window, original positions.
+
+This is the data every consumer shares: the cache stores one :class:`PackedKV` per layer, the reference
+attention and the fused kernels read its fields, and ``nbytes()`` is what the memory model predicts
+(``moend_fx.memory.layer_bytes``) to the byte. Layout: ``docs/cache-format.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moend_fx.errors import MoendError
+from moend_fx.memory import split_packed
+from moend_fx.plan import LayerConfig
+from moend_fx.quant import QuantizedTensor, dequantize, quantize
+
+Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] when that side is 16-bit
+
+
+def _encode(x: torch.Tensor, bits: int, group_size: int, mode: str) -> Block:
+    return x.contiguous() if bits == 16 else quantize(x, bits, group_size, mode)
+
+
+def _decode(block: Block, dtype: torch.dtype) -> torch.Tensor:
+    return block.to(dtype) if isinstance(block, torch.Tensor) else dequantize(block, dtype)
+
+
+def _block_bytes(block: Block) -> int:
+    return block.numel() * block.element_size() if isinstance(block, torch.Tensor) else block.nbytes()
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """Compressed K/V of one layer holding ``n = P + R`` tokens per (batch row, KV head).
+
+    k_packed / v_packed: the first P tokens (P a multiple of ``group_size``; 0 for a lossless layer), a
+    :class:`QuantizedTensor` or, for a 16-bit side, a raw tensor [B, H, P, D] in the model dtype.
+    k_res / v_res: [B, H, R, D] the last R tokens in the model dtype.
+    positions: [B, H, n] int32 original positions of the held tokens (ascending), or None when the layer
+    never evicts (then token i is at position ``offset + i``; the cache tracks ``offset``).
+    """
+
+    config: LayerConfig
+    group_size: int
+    k_packed: Block
+    v_packed: Block
+    k_res: torch.Tensor
+    v_res: torch.Tensor
+    positions: torch.Tensor | None
+
+    @classmethod
+    def from_dense(
+        cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = 32,
+        positions: torch.Tensor | None = None,
+    ) -> PackedKV:
+        """Compress k, v: [B, H, n, D] (post-RoPE, already evicted). positions: [B, H, n] int."""
+        if k.shape != v.shape or k.dim() != 4:
+            raise MoendError(f"k and v must both be [B, H, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
+        if config.evicts and positions is None:
+            raise MoendError(f"layer config {config.name} evicts tokens, so positions [B, H, n] are required")
+        p, _ = split_packed(k.shape[2], config, group_size)
+        pos = None
+        if config.evicts:
+            if positions.shape != k.shape[:3]:
+                raise MoendError(f"positions must be [B, H, n] = {tuple(k.shape[:3])}; got {tuple(positions.shape)}")
+            pos = positions.to(torch.int32).contiguous()
+        return cls(
+            config, group_size,
+            _encode(k[:, :, :p], config.k_bits, group_size, "channel"),
+            _encode(v[:, :, :p], config.v_bits, group_size, "token"),
+            k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), pos,
+        )
+
+    @property
+    def num_packed(self) -> int:
+        return self.k_packed.shape[2] if isinstance(self.k_packed, torch.Tensor) else self.k_packed.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_packed + self.k_res.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_res.dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V: [B, H, n, D] of every held token (packed part dequantized, then the residual window)."""
+        dtype = dtype or self.dtype
+        k = torch.cat([_decode(self.k_packed, dtype), self.k_res.to(dtype)], dim=2)
+        v = torch.cat([_decode(self.v_packed, dtype), self.v_res.to(dtype)], dim=2)
+        return k, v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> PackedKV:
+        """Add new tokens k, v: [B, H, L, D] (positions [B, H, L]) and flush full groups into packed codes."""
+        k_res = torch.cat([self.k_res, k.to(self.dtype)], dim=2)
+        v_res = torch.cat([self.v_res, v.to(self.dtype)], dim=2)
+        pos = self.positions
+        if pos is not None:
+            if positions is None:
+                raise MoendError("this layer evicts, so appended tokens need their positions [B, H, L]")
+            pos = torch.cat([pos, positions.to(torch.int32)], dim=2)
+        r = k_res.shape[2]
+        flush = (r // self.group_size) * self.group_size if self.config.quantized else 0
+        if flush == 0:
+            return replace(self, k_res=k_res, v_res=v_res, positions=pos)
+        # Existing packed groups are kept bit for bit; only the new full groups are quantized.
+        kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, "channel")
+        vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, "token")
+        return replace(
+            self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
+            k_res=k_res[:, :, flush:].contiguous(), v_res=v_res[:, :, flush:].contiguous(), positions=pos,
+        )
+
+    def select(self, indices: torch.Tensor) -> PackedKV:
+        """Keep only tokens ``indices`` [B, H, m] (sorted ascending) and re-compress them."""
+        k, v = self.dequantize()
+        idx = indices.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+        pos = None if self.positions is None else self.positions.gather(2, indices)
+        return PackedKV.from_dense(k.gather(2, idx), v.gather(2, idx), self.config, self.group_size, pos)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer stores (equals ``memory.layer_bytes`` for the same n)."""
+        total = _block_bytes(self.k_packed) + _block_bytes(self.v_packed)
+        total += sum(t.numel() * t.element_size() for t in (self.k_res, self.v_res))
+        if self.positions is not None:
+            total += self.positions.numel() * self.positions.element_size()
+        return total
+
+
+def _concat(a: Block, b: Block) -> Block:
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b], dim=2)
+    # Codes and scales both grow along the token axis (dim 2) in either mode.
+    return replace(a, codes=torch.cat([a.codes, b.codes], 2), scale=torch.cat([a.scale, b.scale], 2),
+                   zero=torch.cat([a.zero, b.zero], 2))
