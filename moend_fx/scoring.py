@@ -1,0 +1,519 @@
+"""Eviction scorers (one frozen dataclass each, kvpress style) and the per-KV-head token selection.
+
+Every scorer has one method::
+
+    score(keys, values, *, queries=None, key_positions, query_positions=None) -> [B, Hkv, T] float32
+
+with higher = more worth keeping. Shapes:
+
+* keys, values: [B, Hkv, T, D] post-RoPE, as stored in the HF cache (values may have another last dim).
+* queries: [B, H, W, D] post-RoPE queries of the last W tokens, H = Hkv * group. Query head ``h`` reads
+  KV head ``h // group`` (HF ``repeat_kv`` order).
+* key_positions: [B, Hkv, T] int64 original positions (not contiguous after an earlier eviction);
+  [T] and [B, T] are broadcast.
+* query_positions: [B, W] (or [W]) int64.
+
+Which inputs each scorer needs:
+
+=========  ==========================================================================================
+trig       keys, key_positions, a RopeSpec; query stats from ``stats=`` (calibrated) or else
+           ``queries`` + ``query_positions`` (estimated on the fly)
+snapkv     keys, queries; query_positions for causality (None = every key visible to every query)
+h2o        keys, queries; query_positions as for snapkv
+keynorm    keys
+streaming  key_positions
+=========  ==========================================================================================
+
+Selection (:func:`select_tokens`) always keeps the first ``sink_tokens`` and last ``recent_tokens``
+stored tokens, then the best scores; ties go to the later position, so results are reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moend_fx.errors import MoendError
+from moend_fx.memory import keep_count
+from moend_fx.rope import QueryStats, RopeSpec, invert_rope, to_complex
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def _check_keys(keys: torch.Tensor, values: torch.Tensor | None) -> None:
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        raise MoendError(f"keys must be a [B, Hkv, T, D] tensor; got {getattr(keys, 'shape', type(keys))}")
+    if keys.shape[2] == 0:
+        raise MoendError("keys hold no tokens (T=0); nothing to score")
+    if values is not None and (values.dim() != 4 or values.shape[:3] != keys.shape[:3]):
+        raise MoendError(
+            f"values {tuple(values.shape)} must be [B, Hkv, T, Dv] with B, Hkv, T of keys {tuple(keys.shape)}"
+        )
+
+
+def _int_tensor(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise MoendError(f"{name} must be an integer tensor; got {getattr(t, 'dtype', type(t))}")
+
+
+def _key_positions(key_positions: torch.Tensor | None, keys_shape: torch.Size) -> torch.Tensor:
+    """key_positions as [B, Hkv, T] int64 (accepts [T], [B, T], [B, Hkv, T])."""
+    b, hkv, t = keys_shape[0], keys_shape[1], keys_shape[2]
+    if key_positions is None:
+        raise MoendError("key_positions is required: [B, Hkv, T] original positions of the stored keys")
+    _int_tensor("key_positions", key_positions)
+    kp = key_positions.to(torch.int64)
+    if kp.dim() == 1:
+        kp = kp[None, None]
+    elif kp.dim() == 2:
+        kp = kp[:, None]
+    if kp.dim() != 3 or kp.shape[-1] != t or kp.shape[0] not in (1, b) or kp.shape[1] not in (1, hkv):
+        raise MoendError(
+            f"key_positions {tuple(key_positions.shape)} must be [B, Hkv, T] = {(b, hkv, t)} (or [T], [B, T])"
+        )
+    return kp.expand(b, hkv, t)
+
+
+def _queries(
+    queries: torch.Tensor | None, keys: torch.Tensor, scorer: str, needed: bool = True
+) -> tuple[torch.Tensor | None, int]:
+    """Check queries [B, H, W, D] against keys; return (queries, group)."""
+    if queries is None:
+        if needed:
+            raise MoendError(f"scorer {scorer!r} needs queries: [B, H, W, D] post-RoPE queries of the last W tokens")
+        return None, 0
+    b, hkv, _, d = keys.shape
+    if not isinstance(queries, torch.Tensor) or queries.dim() != 4:
+        raise MoendError(f"queries must be a [B, H, W, D] tensor; got {getattr(queries, 'shape', type(queries))}")
+    if queries.shape[0] != b or queries.shape[-1] != d or queries.shape[1] % hkv or queries.shape[2] == 0:
+        raise MoendError(
+            f"queries {tuple(queries.shape)} must be [B={b}, H=Hkv*group (Hkv={hkv}), W>0, D={d}] "
+            f"to match keys {tuple(keys.shape)}"
+        )
+    return queries, queries.shape[1] // hkv
+
+
+def _query_positions(query_positions: torch.Tensor | None, b: int, w: int) -> torch.Tensor | None:
+    """query_positions as [B, W] int64 (accepts [W])."""
+    if query_positions is None:
+        return None
+    _int_tensor("query_positions", query_positions)
+    qp = query_positions.to(torch.int64)
+    if qp.dim() == 1:
+        qp = qp[None]
+    if qp.dim() != 2 or qp.shape[-1] != w or qp.shape[0] not in (1, b):
+        raise MoendError(f"query_positions {tuple(query_positions.shape)} must be [B, W] = {(b, w)} (or [W])")
+    return qp.expand(b, w)
+
+
+def _attention_column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor | None,
+    scale: float,
+    chunk: int,
+) -> torch.Tensor:
+    """Sum over queries of softmax(q k^T * scale), causal by position: [B, Hkv, group, T] float32.
+
+    queries: [B, H, W, D]; keys: [B, Hkv, T, D]; key_pos: [B, Hkv, T]; query_pos: [B, W] or None
+    (every key visible). Runs ``chunk`` queries at a time so memory is O(chunk * T), not O(W * T).
+    """
+    b, hkv, t, d = keys.shape
+    g = queries.shape[1] // hkv
+    w = queries.shape[2]
+    q = queries.float().reshape(b, hkv, g, w, d)
+    k = keys.float()
+    out = torch.zeros(b, hkv, g, t, dtype=torch.float32, device=keys.device)
+    for s in range(0, w, chunk):  # a loop over query chunks, not tokens: W / chunk iterations
+        logits = torch.einsum("bhgwd,bhtd->bhgwt", q[:, :, :, s : s + chunk], k) * scale
+        if query_pos is not None:
+            visible = key_pos[:, :, None, None, :] <= query_pos[:, None, None, s : s + chunk, None]
+            logits = logits.masked_fill(~visible, float("-inf"))
+        # a query that sees no key (all -inf) gives NaN rows; it attends to nothing
+        out += torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- scorers
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Base: subclasses set ``name`` and implement :meth:`score`."""
+
+    name: ClassVar[str] = ""
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def geometric_offsets(max_offset: int) -> tuple[int, ...]:
+    """1, 2, 4, ..., the largest power of two <= max_offset."""
+    if max_offset < 1:
+        raise MoendError(f"max_offset={max_offset!r}; must be >= 1")
+    return tuple(2**i for i in range(int(math.log2(max_offset)) + 1))
+
+
+@dataclass(frozen=True)
+class TrigScorer(Scorer):
+    """TriAttention-style frequency score: the expected logit a future query gives each key.
+
+    For a query head with pre-RoPE complex mean ``qbar_f`` and mean magnitude ``E|q_f|`` per frequency f,
+    and a key at position p with pre-RoPE pairs ``k_f``, the logit of a query at t is approximated by::
+
+        sum_f |qbar_f| |k_f| cos(w_f (t - p) + arg qbar_f - arg k_f) + sum_f (E|q_f| - |qbar_f|) |k_f|
+
+    (the second term: the part of the query that is not phase-coherent still scores through magnitude),
+    averaged over ``t = t_now + delta`` for delta in ``offsets`` (default 1, 2, 4, ... up to
+    ``max_offset``) with ``t_now`` = the last position seen + 1. The result carries RoPE's
+    ``attention_scaling`` squared, like a real logit, but not the 1/sqrt(D) softmax scale.
+
+    Implementation: ``k_f exp(i w_f p)`` is exactly the stored post-RoPE key pair (over the scaling),
+    so the un-rotation by the key's own position cancels and the averaged first term is
+    ``Re(sum_f c_f conj(krot_f))`` with ``c_f = qbar_f exp(i w_f t_now) mean_delta exp(i w_f delta)``:
+    one matrix-vector product per head. The tests check it against the explicit un-rotated form.
+
+    GQA: the score of a KV head is the mean over its query heads (linear, so the means are taken first).
+
+    Stats: ``stats`` (a calibrated :class:`~moend_fx.rope.QueryStats` of this layer, [H] heads) or, if
+    None, estimated from ``queries`` un-rotated with ``query_positions`` (per batch row).
+    """
+
+    name: ClassVar[str] = "trig"
+    rope: RopeSpec | None = None
+    stats: QueryStats | None = field(default=None, compare=False, repr=False)
+    max_offset: int = 65536
+    offsets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rope, RopeSpec):
+            raise MoendError(f"trig scorer needs rope=RopeSpec (see moend_fx.rope.rope_from_model); got {self.rope!r}")
+        if self.stats is not None:
+            if not isinstance(self.stats, QueryStats):
+                raise MoendError(f"trig stats must be a QueryStats; got {type(self.stats).__name__}")
+            if self.stats.head_dim != self.rope.head_dim:
+                raise MoendError(f"trig stats head_dim {self.stats.head_dim} != rope head_dim {self.rope.head_dim}")
+            if self.stats.count == 0:
+                raise MoendError("trig stats are empty (count=0)")
+        if self.offsets is None:
+            object.__setattr__(self, "offsets", geometric_offsets(self.max_offset))
+        else:
+            offs = tuple(int(o) for o in self.offsets)
+            if not offs or any(o < 0 for o in offs):
+                raise MoendError(f"trig offsets={self.offsets!r}; must be a non-empty tuple of ints >= 0")
+            object.__setattr__(self, "offsets", offs)
+
+    def _query_terms(
+        self, queries: torch.Tensor | None, query_positions: torch.Tensor | None, b: int, hkv: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qbar [B|1, H, F] complex128, E|q| - |qbar| [B|1, H, F] float64)."""
+        if self.stats is not None:
+            qbar, eabs = self.stats.mean[None], self.stats.abs_mean[None]
+        else:
+            if queries is None or query_positions is None:
+                raise MoendError(
+                    "trig scorer needs calibrated stats=QueryStats, or queries [B, H, W, D] and "
+                    "query_positions [B, W] to estimate them"
+                )
+            z = to_complex(invert_rope(queries.double(), query_positions, self.rope))  # [B, H, W, F]
+            qbar, eabs = z.mean(dim=2), z.abs().mean(dim=2)
+        if qbar.shape[1] % hkv:
+            raise MoendError(f"trig: {qbar.shape[1]} query heads is not a multiple of Hkv={hkv}")
+        return qbar, eabs - qbar.abs()
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_keys(keys, values)
+        b, hkv, t, d = keys.shape
+        if d != self.rope.head_dim:
+            raise MoendError(f"trig: keys head_dim {d} != rope head_dim {self.rope.head_dim}")
+        kp = _key_positions(key_positions, keys.shape)
+        if queries is not None:
+            _queries(queries, keys, self.name)
+        qp = _query_positions(query_positions, b, queries.shape[2]) if queries is not None else None
+        qbar, incoherent = self._query_terms(queries, qp, b, hkv)
+        h = qbar.shape[1]
+        g = h // hkv
+
+        t_now = kp.reshape(b, -1).amax(dim=1)  # [B]
+        if qp is not None:
+            t_now = torch.maximum(t_now, qp.amax(dim=1))
+        t_now = (t_now + 1).cpu().double()
+        w = torch.tensor(self.rope.inv_freq, dtype=torch.float64)  # [F]
+        deltas = torch.tensor(self.offsets, dtype=torch.float64)  # [N]
+        ang = deltas[:, None] * w  # [N, F]
+        avg_phase = torch.polar(torch.ones_like(ang), ang).mean(dim=0)  # [F]
+        # float64 phases: t_now * w reaches 1e5 rad at long contexts
+        ang = t_now[:, None] * w
+        now_phase = torch.polar(torch.ones_like(ang), ang)  # [B, F]
+        s = self.rope.attention_scaling
+        c = qbar.cpu() * (now_phase * avg_phase)[:, None, :] * s  # [B, H, F]
+        c = c.reshape(c.shape[0], hkv, g, -1).mean(dim=2)  # [B|1, Hkv, F]
+        m = (incoherent.cpu() * s).reshape(incoherent.shape[0], hkv, g, -1).mean(dim=2)  # [B|1, Hkv, F]
+
+        k = keys.float()
+        half = d // 2
+        # keys are [re | im] halves already, so Re(c conj(krot)) = k_re . c_re + k_im . c_im
+        cvec = torch.cat((c.real, c.imag), dim=-1).to(device=keys.device, dtype=torch.float32)  # [B, Hkv, D]
+        coherent = torch.matmul(k, cvec.expand(b, hkv, d)[..., None])[..., 0]  # [B, Hkv, T]
+        kabs = torch.hypot(k[..., :half], k[..., half:])  # |krot_f| = s |k_f|: [B, Hkv, T, F]
+        mvec = m.to(device=keys.device, dtype=torch.float32).expand(b, hkv, half)
+        magnitude = torch.matmul(kabs, mvec[..., None])[..., 0]
+        return (coherent + magnitude).float()
+
+
+@dataclass(frozen=True)
+class SnapKVScorer(Scorer):
+    """SnapKV: attention of the observation window over all keys, summed over the window, pooled.
+
+    softmax(q k^T * scale) with scale = 1/sqrt(D) by default, causal by position (a key is visible to a
+    window query iff key_position <= query_position; no query_positions = all visible), summed over the
+    last ``window`` given queries (None = all), ``pooling`` ("avg" or "max") with ``kernel_size`` along the
+    stored tokens, then averaged over the query heads of each KV group.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    window: int | None = None
+    kernel_size: int = 5
+    pooling: str = "avg"
+    scale: float | None = None
+    chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise MoendError(f"snapkv window={self.window!r}; must be >= 1 or None")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise MoendError(f"snapkv kernel_size={self.kernel_size!r}; must be an odd int >= 1")
+        if self.pooling not in ("avg", "max"):
+            raise MoendError(f"snapkv pooling={self.pooling!r}; allowed: ['avg', 'max']")
+        if self.scale is not None and not self.scale > 0:
+            raise MoendError(f"snapkv scale={self.scale!r}; must be > 0")
+        if self.chunk < 1:
+            raise MoendError(f"snapkv chunk={self.chunk!r}; must be >= 1")
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_keys(keys, values)
+        queries, _ = _queries(queries, keys, self.name)
+        b, hkv, t, d = keys.shape
+        kp = _key_positions(key_positions, keys.shape)
+        qp = _query_positions(query_positions, b, queries.shape[2])
+        if self.window is not None:
+            queries = queries[:, :, -self.window :]
+            qp = qp[:, -self.window :] if qp is not None else None
+        scale = self.scale if self.scale is not None else d**-0.5
+        att = _attention_column_sums(queries, keys, kp, qp, scale, self.chunk)  # [B, Hkv, G, T]
+        g = att.shape[2]
+        flat = att.reshape(b * hkv * g, 1, t)
+        pad = self.kernel_size // 2
+        if self.pooling == "avg":
+            flat = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad, count_include_pad=False)
+        else:
+            flat = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        return flat.reshape(b, hkv, g, t).mean(dim=2)
+
+
+@dataclass(frozen=True)
+class H2OScorer(Scorer):
+    """H2O heavy hitters: attention accumulated over all the given queries (columns summed).
+
+    Causal by position as :class:`SnapKVScorer`; mean over the query heads of each KV group. Queries are
+    processed ``chunk`` at a time, so memory is O(chunk * T) even for a whole prefill.
+    """
+
+    name: ClassVar[str] = "h2o"
+    scale: float | None = None
+    chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if self.scale is not None and not self.scale > 0:
+            raise MoendError(f"h2o scale={self.scale!r}; must be > 0")
+        if self.chunk < 1:
+            raise MoendError(f"h2o chunk={self.chunk!r}; must be >= 1")
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_keys(keys, values)
+        queries, _ = _queries(queries, keys, self.name)
+        kp = _key_positions(key_positions, keys.shape)
+        qp = _query_positions(query_positions, keys.shape[0], queries.shape[2])
+        scale = self.scale if self.scale is not None else keys.shape[-1] ** -0.5
+        return _attention_column_sums(queries, keys, kp, qp, scale, self.chunk).mean(dim=2)
+
+
+@dataclass(frozen=True)
+class KeyNormScorer(Scorer):
+    """Knorm: score = -||k|| (low-norm keys draw attention; keep them). Needs keys only."""
+
+    name: ClassVar[str] = "keynorm"
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_keys(keys, values)
+        _key_positions(key_positions, keys.shape)
+        return -keys.float().norm(dim=-1)
+
+
+@dataclass(frozen=True)
+class StreamingScorer(Scorer):
+    """StreamingLLM: score = key position, so the selection keeps the sinks plus the most recent tokens."""
+
+    name: ClassVar[str] = "streaming"
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        queries: torch.Tensor | None = None,
+        key_positions: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_keys(keys, values)
+        return _key_positions(key_positions, keys.shape).float().contiguous()
+
+
+SCORERS: dict[str, type[Scorer]] = {
+    "trig": TrigScorer,
+    "snapkv": SnapKVScorer,
+    "keynorm": KeyNormScorer,
+    "streaming": StreamingScorer,
+    "h2o": H2OScorer,
+}
+
+
+def get_scorer(name: str, **kwargs: Any) -> Scorer:
+    """Build a scorer by name; kwargs go to its dataclass, e.g. ``get_scorer("trig", rope=spec, stats=s)``."""
+    if name not in SCORERS:
+        raise MoendError(f"unknown scorer {name!r}; allowed: {sorted(SCORERS)}")
+    cls = SCORERS[name]
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+    bad = sorted(set(kwargs) - set(allowed))
+    if bad:
+        raise MoendError(f"scorer {name!r} takes no option(s) {bad}; allowed: {allowed}")
+    return cls(**kwargs)
+
+
+# -------------------------------------------------------------------------------------------- selection
+
+
+def select_tokens(
+    scores: torch.Tensor,
+    n_keep: int,
+    *,
+    sink_tokens: int = 4,
+    recent_tokens: int = 32,
+    key_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``n_keep`` tokens per (batch row, KV head).
+
+    scores: [B, Hkv, T]; key_positions: [B, Hkv, T] ([T], [B, T] broadcast; None = 0..T-1).
+    Returns (indices [B, Hkv, n_keep] int64 sorted ascending, kept_positions [B, Hkv, n_keep] int64).
+
+    Priority, highest first: the first ``sink_tokens`` stored tokens (earliest first), the last
+    ``recent_tokens`` stored tokens (latest first), then by score, ties to the later position.
+    So when ``n_keep < sink_tokens + recent_tokens`` the sinks are kept first and then the most recent
+    tokens that fit. Sinks and recent tokens are kept whatever their score; other tokens scored -inf or
+    NaN (e.g. padding) are kept only when nothing else is left.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
+        raise MoendError(f"scores must be a [B, Hkv, T] tensor; got {getattr(scores, 'shape', type(scores))}")
+    b, hkv, t = scores.shape
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or not 1 <= n_keep <= t:
+        raise MoendError(f"n_keep={n_keep!r}; must be an int in [1, T={t}] (see moend_fx.memory.keep_count)")
+    if sink_tokens < 0 or recent_tokens < 0:
+        raise MoendError(f"sink_tokens={sink_tokens!r}, recent_tokens={recent_tokens!r}; both must be >= 0")
+    if key_positions is None:
+        kp = torch.arange(t, device=scores.device).expand(b, hkv, t)
+    else:
+        kp = _key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
+
+    s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    idx = torch.arange(t, device=scores.device)
+    # tier: sinks (earlier first) > recent (later first) > scored > -inf; ints so ties are exact
+    tier = torch.where(s == float("-inf"), 0, 1).to(torch.int64)
+    recent = idx >= t - recent_tokens
+    sink = idx < sink_tokens
+    tier = torch.where(recent, 2 * t + idx, tier)
+    tier = torch.where(sink, 4 * t - idx, tier)
+
+    # lexicographic (tier, score, position) descending with stable sorts, least significant key first
+    order = torch.argsort(kp, dim=-1, descending=True, stable=True)
+    o = torch.argsort(s.gather(-1, order), dim=-1, descending=True, stable=True)
+    order = order.gather(-1, o)
+    o = torch.argsort(tier.expand(b, hkv, t).gather(-1, order), dim=-1, descending=True, stable=True)
+    order = order.gather(-1, o)
+
+    indices = order[..., :n_keep].sort(dim=-1).values
+    return indices, kp.gather(-1, indices)
+
+
+def evict(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    keep_ratio: float,
+    *,
+    key_positions: torch.Tensor | None = None,
+    sink_tokens: int = 4,
+    recent_tokens: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep ``keep_count(T, keep_ratio)`` tokens per KV head and gather them.
+
+    keys: [B, Hkv, T, D]; values: [B, Hkv, T, Dv]; scores: [B, Hkv, T]; key_positions as in
+    :func:`select_tokens`. Returns (keys [B, Hkv, n, D], values [B, Hkv, n, Dv], positions [B, Hkv, n]).
+    """
+    _check_keys(keys, values)
+    if tuple(scores.shape) != tuple(keys.shape[:3]):
+        raise MoendError(f"scores {tuple(scores.shape)} must be [B, Hkv, T] = {tuple(keys.shape[:3])}")
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
+        raise MoendError(f"keep_ratio={keep_ratio!r}; must be in (0, 1]")
+    n = keep_count(keys.shape[2], float(keep_ratio))
+    indices, positions = select_tokens(
+        scores, n, sink_tokens=sink_tokens, recent_tokens=recent_tokens, key_positions=key_positions
+    )
+    ki = indices[..., None].expand(-1, -1, -1, keys.shape[-1])
+    vi = indices[..., None].expand(-1, -1, -1, values.shape[-1])
+    return keys.gather(2, ki), values.gather(2, vi), positions
