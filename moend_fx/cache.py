@@ -1,0 +1,131 @@
+"""MoENDCache: a Hugging Face ``Cache`` of heterogeneous compressed layers, one per transformer layer.
+
+Each layer (:class:`moend_fx.cache_layer.MoENDLayer`) stores its own kept tokens, K/V bit widths and
+original positions in a :class:`moend_fx.packed.PackedKV`. Attention over it is computed by the "moend"
+attention function (``moend_fx.hf_attention``, registered on import of this module), so::
+
+    model.set_attn_implementation("moend")
+    model.generate(ids, cache=MoENDCache(plan, rope=rope_from_model(model)))
+
+or simply ``moend_fx.prepare(model, plan)`` then ``model.generate(ids)``. See ``docs/cache.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from transformers.cache_utils import Cache
+
+import moend_fx.hf_attention  # noqa: F401  (registers the "moend" attention function)
+from moend_fx.cache_layer import BUDGET_MODES, EvictionPolicy, MoENDLayer, PackedAttention
+from moend_fx.errors import MoendError
+from moend_fx.memory import dtype_bytes, keep_count, layer_bytes
+from moend_fx.plan import RoutingPlan
+from moend_fx.rope import QueryStats, RopeSpec
+from moend_fx.scoring import SCORERS, Scorer, get_scorer
+
+
+class CacheBytes(NamedTuple):
+    """Measured bytes: ``per_layer`` (one int per layer) and their ``total``."""
+
+    per_layer: list[int]
+    total: int
+
+
+def _layer_stats(query_stats: Any, layer: int) -> QueryStats | None:
+    """Calibrated query stats of one layer from a list/tuple or a {layer: QueryStats} mapping (or None)."""
+    if query_stats is None:
+        return None
+    if isinstance(query_stats, Mapping):
+        stats = query_stats.get(layer, query_stats.get(str(layer)))
+    elif isinstance(query_stats, Sequence):
+        stats = query_stats[layer] if layer < len(query_stats) else None
+    else:
+        raise MoendError(f"query_stats must be a list or a {{layer: QueryStats}} dict; got {type(query_stats)}")
+    if stats is not None and not isinstance(stats, QueryStats):
+        raise MoendError(f"query_stats[{layer}] must be a QueryStats; got {type(stats).__name__}")
+    return stats
+
+
+def build_scorer(name_or_scorer: str | Scorer, *, rope: RopeSpec | None, stats: QueryStats | None,
+                 **scorer_kw: Any) -> Scorer:
+    """A scorer instance for one layer. ``trig`` gets ``rope`` and the layer's calibrated ``stats``."""
+    if isinstance(name_or_scorer, Scorer):
+        return name_or_scorer
+    if not isinstance(name_or_scorer, str) or name_or_scorer not in SCORERS:
+        raise MoendError(f"scorer={name_or_scorer!r} is unknown; allowed: {sorted(SCORERS)} or a Scorer instance")
+    if name_or_scorer == "trig":
+        if rope is None:
+            raise MoendError(
+                "the trig scorer needs rope=RopeSpec: use moend_fx.prepare(model, plan), or pass "
+                "rope=moend_fx.rope.rope_from_model(model) (or pick another scorer, e.g. scorer='snapkv')"
+            )
+        return get_scorer("trig", rope=rope, stats=stats, **scorer_kw)
+    return get_scorer(name_or_scorer, **scorer_kw)
+
+
+class MoENDCache(Cache):
+    """Compressed KV cache for one :class:`RoutingPlan` (one :class:`MoENDLayer` per model layer).
+
+    plan: per-layer (keep_ratio, k_bits, v_bits), group size, scorer name, sinks / recent tokens.
+    scorer: overrides ``plan.scorer`` (a name or a :class:`Scorer` used on every layer).
+    rope: the model's RoPE (needed by ``trig``); query_stats: calibrated per-layer :class:`QueryStats`
+    (list or ``{layer: stats}``); without them ``trig`` estimates them from the last ``window`` queries.
+    evict_every: decode steps between evictions; budget_mode: "ratio" (keep_ratio of the tokens seen) or
+    "capacity" (at most ``keep_count(plan.context_length, keep_ratio)`` tokens per layer).
+    attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.reference_attention`), the
+    one function a fused backend swaps.
+    """
+
+    def __init__(
+        self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
+        query_stats: Any = None, evict_every: int = 128, budget_mode: str = "ratio", window: int = 32,
+        attention_fn: PackedAttention | None = None, scorer_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(plan, RoutingPlan):
+            raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
+        if budget_mode not in BUDGET_MODES:
+            raise MoendError(f"budget_mode={budget_mode!r} is unknown; allowed: {list(BUDGET_MODES)}")
+        if rope is not None and rope.head_dim != plan.fingerprint.head_dim:
+            raise MoendError(f"rope head_dim {rope.head_dim} != the plan's head_dim {plan.fingerprint.head_dim}")
+        self.plan = plan
+        self.budget_mode = budget_mode
+        name = plan.scorer if scorer is None else scorer
+        layers = []
+        for i, cfg in enumerate(plan.layers):
+            cap = keep_count(plan.context_length, cfg.keep_ratio) if budget_mode == "capacity" else None
+            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, cap)
+            sc = None
+            if cfg.evicts:
+                sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), **(scorer_kwargs or {}))
+            layers.append(MoENDLayer(cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy,
+                                     attention_fn=attention_fn))
+        super().__init__(layers=layers)
+
+    def held_tokens(self) -> list[int]:
+        """Tokens each layer stores per (batch row, KV head)."""
+        return [layer.held for layer in self.layers]
+
+    def nbytes(self) -> CacheBytes:
+        """Measured bytes of every stored tensor, per layer and in total (equals :meth:`model_bytes`)."""
+        per = [layer.nbytes() for layer in self.layers]
+        return CacheBytes(per, sum(per))
+
+    def model_bytes(self) -> CacheBytes:
+        """What the memory model (``moend_fx.memory.layer_bytes``) says the held tokens take."""
+        fp = self.plan.fingerprint
+        per = []
+        for layer in self.layers:
+            if layer.packed is None:
+                per.append(0)
+                continue
+            per.append(layer_bytes(
+                layer.config, 0, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=layer.batch_size,
+                group_size=self.plan.group_size, dtype_bytes=dtype_bytes(layer.packed.dtype), kept=layer.held,
+            ))
+        return CacheBytes(per, sum(per))
+
+    def scratch_nbytes(self) -> int:
+        """Bytes of the scorers' query windows (working memory, not K/V storage)."""
+        return sum(layer.scratch_nbytes() for layer in self.layers)

@@ -1,0 +1,97 @@
+"""moend_fx.prepare: generate builds a fresh MoENDCache per call without the user building it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from moend_fx.cache import MoENDCache
+from moend_fx.errors import MoendError, PlanError
+from moend_fx.models import tiny_model
+from moend_fx.plan import Grid, LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.prepare import prepare, unprepare
+from moend_fx.rope import QueryStats, rope_from_model
+from moend_fx.sensitivity import SensitivityTable
+
+
+def _model(**kw):
+    return tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, **kw)
+
+
+def _plan(model, cfg) -> RoutingPlan:
+    return RoutingPlan.uniform(cfg, ModelFingerprint.from_model(model), 256)
+
+
+def _ids(t: int = 30) -> torch.Tensor:
+    return torch.randint(3, 256, (1, t), generator=torch.Generator().manual_seed(0))
+
+
+def _gen(model, **kw):
+    return model.generate(_ids(), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, **kw)
+
+
+def test_prepare_builds_a_fresh_cache_per_generate_call():
+    model = _model()
+    ref = _gen(model)
+    assert prepare(model, _plan(model, LayerConfig(1.0, 16, 16))) is model
+    assert model.config._attn_implementation == "moend"
+    out = _gen(model, return_dict_in_generate=True)
+    assert isinstance(out.cache, MoENDCache)
+    assert torch.equal(out.sequences, ref)
+    again = _gen(model, return_dict_in_generate=True)
+    assert again.cache is not out.cache and torch.equal(again.sequences, ref)
+
+
+def test_prepare_passes_options_and_respects_a_user_cache():
+    model = _model()
+    prepare(model, _plan(model, LayerConfig(0.5, 4, 8)), evict_every=4, scorer="snapkv")
+    out = _gen(model, return_dict_in_generate=True)
+    assert out.cache.layers[0].policy.evict_every == 4
+    assert out.cache.layers[0].scorer.name == "snapkv"
+    assert out.cache.nbytes() == out.cache.model_bytes()
+    mine = MoENDCache(_plan(model, LayerConfig(1.0, 16, 16)))
+    out = _gen(model, cache=mine, return_dict_in_generate=True)
+    assert out.cache is mine
+    out = _gen(model, cache=DynamicCache(config=model.config), return_dict_in_generate=True)
+    assert isinstance(out.cache, DynamicCache)  # "moend" attention falls back to SDPA for other caches
+
+
+def test_unprepare_restores_the_model():
+    model = _model()
+    ref = _gen(model, return_dict_in_generate=True)
+    prepare(model, _plan(model, LayerConfig(0.25, 4, 4)))
+    unprepare(model)
+    assert model.config._attn_implementation == "sdpa"
+    out = _gen(model, return_dict_in_generate=True)
+    assert isinstance(out.cache, DynamicCache) and torch.equal(out.sequences, ref.sequences)
+
+
+def test_prepare_rejects_a_plan_for_another_model_and_bad_options():
+    model = _model()
+    other = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(PlanError, match="num_layers"):
+        prepare(model, _plan(other, LayerConfig(1.0, 16, 16)))
+    with pytest.raises(MoendError, match="budget_mode"):
+        prepare(model, _plan(model, LayerConfig(0.5, 4, 4)), budget_mode="nope")
+    with pytest.raises(MoendError, match="RoutingPlan"):
+        prepare(model, {"layers": []})
+    assert model.config._attn_implementation == "sdpa"  # nothing changed on failure
+
+
+def test_prepare_feeds_calibrated_query_stats_from_a_table():
+    model = _model()
+    fp = ModelFingerprint.from_model(model)
+    stats = {}
+    for layer in range(fp.num_layers):
+        qs = QueryStats.empty(fp.num_heads, fp.head_dim).accumulate(torch.randn(1, fp.num_heads, 8, fp.head_dim))
+        stats.update({k: v.numpy() for k, v in qs.to_tensors(f"{layer}.").items()})
+    grid = Grid()
+    table = SensitivityTable(np.zeros((fp.num_layers, len(grid))), grid, fp, query_stats=stats)
+    prepare(model, _plan(model, LayerConfig(0.5, 4, 4)), table=table)
+    out = _gen(model, return_dict_in_generate=True)
+    sc = out.cache.layers[1].scorer
+    assert sc.name == "trig" and sc.stats is not None
+    assert out.cache.layers[1].scratch_nbytes() == 0  # calibrated stats: no query window kept
+    assert sc.rope == rope_from_model(model)
