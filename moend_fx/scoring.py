@@ -39,105 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from moend_fx.errors import MoendError
-from moend_fx.memory import keep_count
 from moend_fx.rope import QueryStats, RopeSpec, invert_rope, to_complex
+from moend_fx.scoring_inputs import (
+    _attention_column_sums,
+    _check_keys,
+    _key_positions,
+    _queries,
+    _query_positions,
+)
+from moend_fx.selection import evict, select_tokens
 
-# ----------------------------------------------------------------------------------------------- inputs
-
-
-def _check_keys(keys: torch.Tensor, values: torch.Tensor | None) -> None:
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-        raise MoendError(f"keys must be a [B, Hkv, T, D] tensor; got {getattr(keys, 'shape', type(keys))}")
-    if keys.shape[2] == 0:
-        raise MoendError("keys hold no tokens (T=0); nothing to score")
-    if values is not None and (values.dim() != 4 or values.shape[:3] != keys.shape[:3]):
-        raise MoendError(
-            f"values {tuple(values.shape)} must be [B, Hkv, T, Dv] with B, Hkv, T of keys {tuple(keys.shape)}"
-        )
-
-
-def _int_tensor(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise MoendError(f"{name} must be an integer tensor; got {getattr(t, 'dtype', type(t))}")
-
-
-def _key_positions(key_positions: torch.Tensor | None, keys_shape: torch.Size) -> torch.Tensor:
-    """key_positions as [B, Hkv, T] int64 (accepts [T], [B, T], [B, Hkv, T])."""
-    b, hkv, t = keys_shape[0], keys_shape[1], keys_shape[2]
-    if key_positions is None:
-        raise MoendError("key_positions is required: [B, Hkv, T] original positions of the stored keys")
-    _int_tensor("key_positions", key_positions)
-    kp = key_positions.to(torch.int64)
-    if kp.dim() == 1:
-        kp = kp[None, None]
-    elif kp.dim() == 2:
-        kp = kp[:, None]
-    if kp.dim() != 3 or kp.shape[-1] != t or kp.shape[0] not in (1, b) or kp.shape[1] not in (1, hkv):
-        raise MoendError(
-            f"key_positions {tuple(key_positions.shape)} must be [B, Hkv, T] = {(b, hkv, t)} (or [T], [B, T])"
-        )
-    return kp.expand(b, hkv, t)
-
-
-def _queries(
-    queries: torch.Tensor | None, keys: torch.Tensor, scorer: str, needed: bool = True
-) -> tuple[torch.Tensor | None, int]:
-    """Check queries [B, H, W, D] against keys; return (queries, group)."""
-    if queries is None:
-        if needed:
-            raise MoendError(f"scorer {scorer!r} needs queries: [B, H, W, D] post-RoPE queries of the last W tokens")
-        return None, 0
-    b, hkv, _, d = keys.shape
-    if not isinstance(queries, torch.Tensor) or queries.dim() != 4:
-        raise MoendError(f"queries must be a [B, H, W, D] tensor; got {getattr(queries, 'shape', type(queries))}")
-    if queries.shape[0] != b or queries.shape[-1] != d or queries.shape[1] % hkv or queries.shape[2] == 0:
-        raise MoendError(
-            f"queries {tuple(queries.shape)} must be [B={b}, H=Hkv*group (Hkv={hkv}), W>0, D={d}] "
-            f"to match keys {tuple(keys.shape)}"
-        )
-    return queries, queries.shape[1] // hkv
-
-
-def _query_positions(query_positions: torch.Tensor | None, b: int, w: int) -> torch.Tensor | None:
-    """query_positions as [B, W] int64 (accepts [W])."""
-    if query_positions is None:
-        return None
-    _int_tensor("query_positions", query_positions)
-    qp = query_positions.to(torch.int64)
-    if qp.dim() == 1:
-        qp = qp[None]
-    if qp.dim() != 2 or qp.shape[-1] != w or qp.shape[0] not in (1, b):
-        raise MoendError(f"query_positions {tuple(query_positions.shape)} must be [B, W] = {(b, w)} (or [W])")
-    return qp.expand(b, w)
-
-
-def _attention_column_sums(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    key_pos: torch.Tensor,
-    query_pos: torch.Tensor | None,
-    scale: float,
-    chunk: int,
-) -> torch.Tensor:
-    """Sum over queries of softmax(q k^T * scale), causal by position: [B, Hkv, group, T] float32.
-
-    queries: [B, H, W, D]; keys: [B, Hkv, T, D]; key_pos: [B, Hkv, T]; query_pos: [B, W] or None
-    (every key visible). Runs ``chunk`` queries at a time so memory is O(chunk * T), not O(W * T).
-    """
-    b, hkv, t, d = keys.shape
-    g = queries.shape[1] // hkv
-    w = queries.shape[2]
-    q = queries.float().reshape(b, hkv, g, w, d)
-    k = keys.float()
-    out = torch.zeros(b, hkv, g, t, dtype=torch.float32, device=keys.device)
-    for s in range(0, w, chunk):  # a loop over query chunks, not tokens: W / chunk iterations
-        logits = torch.einsum("bhgwd,bhtd->bhgwt", q[:, :, :, s : s + chunk], k) * scale
-        if query_pos is not None:
-            visible = key_pos[:, :, None, None, :] <= query_pos[:, None, None, s : s + chunk, None]
-            logits = logits.masked_fill(~visible, float("-inf"))
-        # a query that sees no key (all -inf) gives NaN rows; it attends to nothing
-        out += torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=3)
-    return out
+__all__ = ["SCORERS", "Scorer", "get_scorer", "geometric_offsets", "select_tokens", "evict"]
 
 
 # ---------------------------------------------------------------------------------------------- scorers
@@ -434,86 +346,3 @@ def get_scorer(name: str, **kwargs: Any) -> Scorer:
     if bad:
         raise MoendError(f"scorer {name!r} takes no option(s) {bad}; allowed: {allowed}")
     return cls(**kwargs)
-
-
-# -------------------------------------------------------------------------------------------- selection
-
-
-def select_tokens(
-    scores: torch.Tensor,
-    n_keep: int,
-    *,
-    sink_tokens: int = 4,
-    recent_tokens: int = 32,
-    key_positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick ``n_keep`` tokens per (batch row, KV head).
-
-    scores: [B, Hkv, T]; key_positions: [B, Hkv, T] ([T], [B, T] broadcast; None = 0..T-1).
-    Returns (indices [B, Hkv, n_keep] int64 sorted ascending, kept_positions [B, Hkv, n_keep] int64).
-
-    Priority, highest first: the first ``sink_tokens`` stored tokens (earliest first), the last
-    ``recent_tokens`` stored tokens (latest first), then by score, ties to the later position.
-    So when ``n_keep < sink_tokens + recent_tokens`` the sinks are kept first and then the most recent
-    tokens that fit. Sinks and recent tokens are kept whatever their score; other tokens scored -inf or
-    NaN (e.g. padding) are kept only when nothing else is left.
-    """
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
-        raise MoendError(f"scores must be a [B, Hkv, T] tensor; got {getattr(scores, 'shape', type(scores))}")
-    b, hkv, t = scores.shape
-    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or not 1 <= n_keep <= t:
-        raise MoendError(f"n_keep={n_keep!r}; must be an int in [1, T={t}] (see moend_fx.memory.keep_count)")
-    if sink_tokens < 0 or recent_tokens < 0:
-        raise MoendError(f"sink_tokens={sink_tokens!r}, recent_tokens={recent_tokens!r}; both must be >= 0")
-    if key_positions is None:
-        kp = torch.arange(t, device=scores.device).expand(b, hkv, t)
-    else:
-        kp = _key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
-
-    s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    idx = torch.arange(t, device=scores.device)
-    # tier: sinks (earlier first) > recent (later first) > scored > -inf; ints so ties are exact
-    tier = torch.where(s == float("-inf"), 0, 1).to(torch.int64)
-    recent = idx >= t - recent_tokens
-    sink = idx < sink_tokens
-    tier = torch.where(recent, 2 * t + idx, tier)
-    tier = torch.where(sink, 4 * t - idx, tier)
-
-    # lexicographic (tier, score, position) descending with stable sorts, least significant key first
-    order = torch.argsort(kp, dim=-1, descending=True, stable=True)
-    o = torch.argsort(s.gather(-1, order), dim=-1, descending=True, stable=True)
-    order = order.gather(-1, o)
-    o = torch.argsort(tier.expand(b, hkv, t).gather(-1, order), dim=-1, descending=True, stable=True)
-    order = order.gather(-1, o)
-
-    indices = order[..., :n_keep].sort(dim=-1).values
-    return indices, kp.gather(-1, indices)
-
-
-def evict(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor,
-    keep_ratio: float,
-    *,
-    key_positions: torch.Tensor | None = None,
-    sink_tokens: int = 4,
-    recent_tokens: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep ``keep_count(T, keep_ratio)`` tokens per KV head and gather them.
-
-    keys: [B, Hkv, T, D]; values: [B, Hkv, T, Dv]; scores: [B, Hkv, T]; key_positions as in
-    :func:`select_tokens`. Returns (keys [B, Hkv, n, D], values [B, Hkv, n, Dv], positions [B, Hkv, n]).
-    """
-    _check_keys(keys, values)
-    if tuple(scores.shape) != tuple(keys.shape[:3]):
-        raise MoendError(f"scores {tuple(scores.shape)} must be [B, Hkv, T] = {tuple(keys.shape[:3])}")
-    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
-        raise MoendError(f"keep_ratio={keep_ratio!r}; must be in (0, 1]")
-    n = keep_count(keys.shape[2], float(keep_ratio))
-    indices, positions = select_tokens(
-        scores, n, sink_tokens=sink_tokens, recent_tokens=recent_tokens, key_positions=key_positions
-    )
-    ki = indices[..., None].expand(-1, -1, -1, keys.shape[-1])
-    vi = indices[..., None].expand(-1, -1, -1, values.shape[-1])
-    return keys.gather(2, ki), values.gather(2, vi), positions

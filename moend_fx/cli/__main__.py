@@ -1,0 +1,5 @@
+import sys
+
+from moend_fx.cli import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""``moend solve`` and ``moend compare-solvers``.
+
+``--table`` is a table file (loaded with ``SensitivityTable.load``) or ``synthetic:LAYERS[:SEED]`` for a
+paper-shaped synthetic table (demos and tests; see ``moend_fx.solvers.synthetic``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from moend_fx.errors import MoendError, TableError
+from moend_fx.memory import format_bytes
+from moend_fx.sensitivity import SensitivityTable
+from moend_fx.solvers import SOLVERS, get_solver
+from moend_fx.solvers.base import SolveResult, full_cache_figures
+
+DEFAULT_CONTEXT = 2048
+
+
+def load_table(spec: str) -> SensitivityTable:
+    """A table from a file, or ``synthetic:LAYERS[:SEED]``."""
+    if spec.startswith("synthetic:"):
+        from moend_fx.solvers.synthetic import synthetic_table
+
+        parts = spec.split(":")[1:]
+        try:
+            layers = int(parts[0])
+            seed = int(parts[1]) if len(parts) > 1 else 0
+            if layers <= 0 or len(parts) > 2:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise TableError(f"table {spec!r} is invalid; allowed: a file or 'synthetic:LAYERS[:SEED]' "
+                             "(e.g. 'synthetic:30:0')") from None
+        return synthetic_table(layers, seed=seed)
+    if not Path(spec).exists():
+        raise TableError(f"table file {spec!r} does not exist; give a file or 'synthetic:LAYERS[:SEED]'")
+    return SensitivityTable.load(spec)
+
+
+def _context(args: argparse.Namespace, table: SensitivityTable) -> int:
+    if args.context_length is not None:
+        if args.context_length <= 0:
+            raise MoendError(f"--context-length={args.context_length} is invalid; allowed: a positive integer")
+        return args.context_length
+    return int(table.calibration.get("context_length", DEFAULT_CONTEXT))
+
+
+def _optuna_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {"sampler": args.sampler, "seed": args.seed, "n_jobs": args.n_jobs,
+                            "warm_start": args.warm_start}
+    if args.storage is not None:
+        opts["storage"] = args.storage
+    if args.study_name is not None:
+        opts["study_name"] = args.study_name
+    if args.timeout is not None:
+        opts["timeout"] = args.timeout
+    return opts
+
+
+def plan_table_text(res: SolveResult, table: SensitivityTable) -> str:
+    """The per-layer plan (layer, keep, K bits, V bits, bytes, predicted loss) and totals."""
+    plan = res.plan
+    B = table.bytes_matrix(plan.context_length)
+    lines = [f"{'layer':>5} {'keep':>5} {'K':>3} {'V':>3} {'bytes':>12} {'pred. loss':>11}"]
+    for l, (c, i) in enumerate(zip(plan.layers, res.indices)):
+        lines.append(f"{l:>5} {c.keep_ratio:>5g} {c.k_bits:>3} {c.v_bits:>3} {int(B[l, i]):>12} "
+                     f"{table.S[l, i]:>11.5f}")
+    full = full_cache_figures(table, plan.context_length)
+    dtype = table.fingerprint.dtype
+    lines += [
+        f"total: {res.bytes_used} bytes ({format_bytes(res.bytes_used)}), predicted loss {res.predicted_loss:.5f}",
+        f"budget: {res.budget}",
+        f"vs full cache: {full['full_16bit'] / res.bytes_used:.2f}x smaller than 16-bit "
+        f"({format_bytes(full['full_16bit'])}), {full['full_model_dtype'] / res.bytes_used:.2f}x smaller than "
+        f"the model's {dtype} ({format_bytes(full['full_model_dtype'])})",
+        f"solver: {res.solver}, {res.wall_time_s * 1e3:.2f} ms, {res.iterations} iterations"
+        + ("" if "optimal" not in res.info else f", optimal: {res.info['optimal']}"),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    table = load_table(args.table)
+    ctx = _context(args, table)
+    opts = _optuna_options(args) | {"n_trials": args.trials} if args.solver == "optuna" else {}
+    res = get_solver(args.solver, **opts).solve(table, args.budget, context_length=ctx)
+    if args.out:
+        res.plan.save(args.out)
+    print(plan_table_text(res, table))
+    if args.out:
+        print(f"plan written to {args.out}")
+    return 0
+
+
+def _int_list(s: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise MoendError(f"{what}={s!r} is invalid; allowed: comma-separated positive integers") from None
+    if any(v <= 0 for v in vals):
+        raise MoendError(f"{what}={s!r} is invalid; allowed: comma-separated positive integers")
+    return vals
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from moend_fx.solvers.compare import compare_solvers, markdown_table, write_comparison
+
+    table = load_table(args.table)
+    ctx = _context(args, table)
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if not budgets:
+        raise MoendError(f"--budgets={args.budgets!r} is empty; give e.g. '4x,8x,14x'")
+    trials = _int_list(args.trials, "--trials") if args.trials else []
+    result = compare_solvers(table, budgets, context_length=ctx, trials=trials,
+                             optuna_options=_optuna_options(args),
+                             log=lambda s: print(s, file=sys.stderr))
+    paths = write_comparison(result, args.out)
+    print(markdown_table(result))
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--table", required=True, help="sensitivity table file, or synthetic:LAYERS[:SEED]")
+    p.add_argument("--context-length", type=int, default=None,
+                   help=f"tokens the plan is solved for (default: the table's, else {DEFAULT_CONTEXT})")
+    p.add_argument("--storage", default=None,
+                   help="optuna storage: RDB URL (sqlite:///s.db, postgresql://...), journal file path, :memory:")
+    p.add_argument("--study-name", default=None, help="optuna study name (share it to search one study)")
+    p.add_argument("--sampler", default="tpe", choices=["tpe", "cmaes", "nsga2", "random"])
+    p.add_argument("--seed", type=int, default=0, help="optuna sampler seed (give each worker its own)")
+    p.add_argument("--n-jobs", type=int, default=1, help="optuna threads in this process")
+    p.add_argument("--timeout", type=float, default=None, help="optuna time limit in seconds")
+    p.add_argument("--warm-start", action="store_true", help="optuna: enqueue the greedy plan first")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("solve", help="solve a routing plan for a memory budget",
+                              description="Pick one (keep, K bits, V bits) per layer under a KV-memory budget.")
+    _add_common(p)
+    p.add_argument("--budget", required=True, help="bytes, a size ('136MB') or a ratio of the 16-bit cache ('14x')")
+    p.add_argument("--solver", default="greedy", choices=list(SOLVERS))
+    p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.add_argument("--trials", type=int, default=200, help="optuna trials")
+    p.set_defaults(func=cmd_solve)
+
+    c = subparsers.add_parser("compare-solvers", help="run every solver on one table and several budgets",
+                              description="Predicted loss, gap to the exact optimum, bytes and time per solver.")
+    _add_common(c)
+    c.add_argument("--budgets", default="4x,8x,14x", help="comma-separated budgets (default 4x,8x,14x)")
+    c.add_argument("--trials", default="200,2000", help="comma-separated optuna trial counts ('' for none)")
+    c.add_argument("--out", required=True, help="output folder for compare.json / .md / .png")
+    c.set_defaults(func=cmd_compare)
