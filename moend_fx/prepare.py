@@ -23,28 +23,10 @@ _STATE = "_moend_prepared"
 
 
 def _stats_from_table(table: Any, num_layers: int) -> list[QueryStats | None] | None:
-    """Per-layer calibrated QueryStats stored in a SensitivityTable's ``query_stats`` (None if it has none).
-
-    Accepted layouts: ``{"<l>.sum", "<l>.abs_sum", "<l>.count"}`` with prefix ``"<l>."``, ``"layer<l>."``,
-    ``"layers.<l>."`` or ``"layer_<l>."``.
-    """
-    raw = getattr(table, "query_stats", None)
-    if not raw:
+    """Per-layer calibrated QueryStats of a SensitivityTable (None if it has none)."""
+    if not table.has_stats():
         return None
-    out: list[QueryStats | None] = []
-    for layer in range(num_layers):
-        for prefix in (f"{layer}.", f"layer{layer}.", f"layers.{layer}.", f"layer_{layer}."):
-            if f"{prefix}sum" in raw:
-                out.append(QueryStats.from_tensors(raw, prefix))
-                break
-        else:
-            out.append(None)
-    if all(s is None for s in out):
-        raise MoendError(
-            f"table.query_stats has no per-layer stats in a known layout (keys like '0.sum'); got keys "
-            f"{sorted(raw)[:6]}"
-        )
-    return out
+    return [table.layer_stats(layer) for layer in range(num_layers)]
 
 
 def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, **cache_kw: Any) -> Any:

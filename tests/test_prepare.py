@@ -13,7 +13,7 @@ from moend_fx.models import tiny_model
 from moend_fx.plan import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.prepare import prepare, unprepare
 from moend_fx.rope import QueryStats, rope_from_model
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.sensitivity import SensitivityTable, stats_to_arrays
 
 
 def _model(**kw):
@@ -83,10 +83,10 @@ def test_prepare_rejects_a_plan_for_another_model_and_bad_options():
 def test_prepare_feeds_calibrated_query_stats_from_a_table():
     model = _model()
     fp = ModelFingerprint.from_model(model)
-    stats = {}
-    for layer in range(fp.num_layers):
-        qs = QueryStats.empty(fp.num_heads, fp.head_dim).accumulate(torch.randn(1, fp.num_heads, 8, fp.head_dim))
-        stats.update({k: v.numpy() for k, v in qs.to_tensors(f"{layer}.").items()})
+    stats = stats_to_arrays({
+        layer: QueryStats.empty(fp.num_heads, fp.head_dim).accumulate(torch.randn(1, fp.num_heads, 8, fp.head_dim))
+        for layer in range(fp.num_layers)
+    })
     grid = Grid()
     table = SensitivityTable(np.zeros((fp.num_layers, len(grid))), grid, fp, query_stats=stats)
     prepare(model, _plan(model, LayerConfig(0.5, 4, 4)), table=table)

@@ -1,0 +1,216 @@
+"""The fused attention op over one compressed layer: ``torch.ops.moend.packed_attention``.
+
+One op, three implementations behind it:
+
+* CPU tensors: the C++ kernel (``moend_attn.cpp``, built once and cached by :mod:`moend_fx.kernels.cpu`);
+  if it did not build, the reference (with one warning). Never crashes for want of a compiler.
+* CUDA tensors: the Triton decode kernel (:mod:`moend_fx.kernels.triton_decode`).
+* The reference (dequantize the layer, then ``moend_fx.attention.attention_dense``): the oracle the other
+  two are tested against, also used for inputs a fast path does not cover.
+
+``packed_attention(q, layer)`` is the Python entry point that takes a :class:`~moend_fx.packed.PackedKV`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+from moend_fx.attention import attention_dense
+from moend_fx.errors import MoendError
+from moend_fx.kernels import cpu
+from moend_fx.kernels.variants import check_bits, check_kernel
+from moend_fx.packed import PackedKV
+from moend_fx.quant import MODE_CHANNEL, MODE_TOKEN, dequantize_reference, packed_width
+
+_RAW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_inputs(
+    q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
+    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, causal: bool,
+) -> None:
+    """Raise :class:`MoendError` naming the first tensor whose shape or dtype does not fit the layout."""
+    check_bits("k_bits", k_bits)
+    check_bits("v_bits", v_bits)
+    if group_size <= 0 or group_size & (group_size - 1):
+        raise MoendError(f"group_size={group_size!r} is invalid; allowed: a power of two")
+    if q.dim() != 4:
+        raise MoendError(f"q must be [B, H, L, D]; got shape {tuple(q.shape)}")
+    b, h, l, d = q.shape
+    if k_res.dim() != 4 or k_res.shape != v_res.shape:
+        raise MoendError(f"k_res and v_res must both be [B, Hkv, R, D]; got {tuple(k_res.shape)} and "
+                         f"{tuple(v_res.shape)}")
+    _, hkv, r, _ = k_res.shape
+    if k_res.shape[0] != b or k_res.shape[3] != d:
+        raise MoendError(f"k_res {tuple(k_res.shape)} does not fit q {tuple(q.shape)} (batch, head_dim)")
+    if hkv == 0 or h % hkv:
+        raise MoendError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    p = k_packed.shape[2] if k_packed.dim() == 4 else -1
+    gv = min(group_size, d)
+    for side, bits, packed, sc, ze, mode in (("k", k_bits, k_packed, k_scale, k_zero, MODE_CHANNEL),
+                                             ("v", v_bits, v_packed, v_scale, v_zero, MODE_TOKEN)):
+        if bits == 16:
+            want = (b, hkv, p, d)
+            if tuple(packed.shape) != want:
+                raise MoendError(f"{side}_packed (16-bit, raw) must be [B, Hkv, P, D] = {want}; "
+                                 f"got {tuple(packed.shape)}")
+            if packed.dtype not in _RAW_DTYPES:
+                raise MoendError(f"{side}_packed dtype {packed.dtype} is not a float type")
+            continue
+        want = (b, hkv, p, packed_width(d, bits))
+        if tuple(packed.shape) != want or packed.dtype != torch.uint8:
+            raise MoendError(f"{side}_packed ({bits}-bit codes) must be uint8 {want}; got {packed.dtype} "
+                             f"{tuple(packed.shape)}")
+        want_s = (b, hkv, p // group_size, d) if mode == MODE_CHANNEL else (b, hkv, p, d // gv)
+        for name, t in ((f"{side}_scale", sc), (f"{side}_zero", ze)):
+            if tuple(t.shape) != want_s:
+                raise MoendError(f"{name} must be {want_s}; got {tuple(t.shape)}")
+    if p % group_size:
+        raise MoendError(f"packed tokens P={p} must be a multiple of group_size={group_size}")
+    if causal and l > 1 and l > p + r:
+        raise MoendError(f"a chunk of {l} queries cannot be the newest tokens of only {p + r} held tokens")
+
+
+def reference_packed_attention(
+    q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
+    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+) -> torch.Tensor:
+    """Dequantize the whole layer, then fp32 attention (``reference_attention`` semantics)."""
+    d = q.shape[-1]
+
+    def dense(packed, sc, ze, bits, mode):
+        if bits == 16:
+            return packed.float()
+        return dequantize_reference(packed, sc, ze, bits, group_size, mode, d, torch.float32)
+
+    k = torch.cat([dense(k_packed, k_scale, k_zero, k_bits, MODE_CHANNEL), k_res.float()], dim=2)
+    v = torch.cat([dense(v_packed, v_scale, v_zero, v_bits, MODE_TOKEN), v_res.float()], dim=2)
+    return attention_dense(q, k, v, scale=scale, causal_chunk=causal)
+
+
+def cpu_kernel_supports(q: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> bool:
+    """Whether the C++ kernel covers these inputs (else the reference runs)."""
+    d = q.shape[-1]
+    kper = 1 if k_bits == 16 else 8 // k_bits
+    vper = 1 if v_bits == 16 else 8 // v_bits
+    return (q.device.type == "cpu" and k_res.dtype in _RAW_DTYPES and d % kper == 0 and d % vper == 0
+            and min(group_size, d) % vper == 0)
+
+
+def _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+              group_size, scale, causal, num_splits: int = 0):
+    args = (q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+            group_size, scale, causal)
+    if cpu_kernel_supports(q, k_res, k_bits, v_bits, group_size) and cpu.available():
+        return cpu.packed_attention_cpu(*args, num_splits=num_splits).to(q.dtype)
+    return reference_packed_attention(*args)
+
+
+def _triton_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                 group_size, scale, causal, num_splits: int = 0):
+    from moend_fx.kernels import triton_decode
+
+    return triton_decode.packed_attention_triton(
+        q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
+        scale, causal, num_splits=num_splits)
+
+
+@torch.library.custom_op("moend::packed_attention", mutates_args=())
+def packed_attention_op(
+    q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
+    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+) -> torch.Tensor:
+    """Attention of q: [B, H, L, D] over one compressed layer (P packed + R residual tokens).
+
+    k_packed: uint8 codes [B, Hkv, P, D*k_bits/8] (or raw [B, Hkv, P, D] when k_bits == 16);
+    k_scale, k_zero: fp16 [B, Hkv, P/G, D] (empty when 16-bit); v_packed likewise;
+    v_scale, v_zero: fp16 [B, Hkv, P, D/min(G, D)]; k_res, v_res: [B, Hkv, R, D] model dtype.
+    causal: the L queries are the newest L of the S = P + R held tokens (bottom-right mask).
+    Returns [B, H, L, D] in q's dtype. This body is the fallback for devices without a kernel.
+    """
+    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                 group_size, causal)
+    return reference_packed_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res,
+                                      k_bits, v_bits, group_size, scale, causal)
+
+
+@packed_attention_op.register_fake
+def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
+      scale, causal):
+    return torch.empty_like(q)
+
+
+@packed_attention_op.register_kernel("cpu")
+def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
+      scale, causal):
+    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                 group_size, causal)
+    return _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                     group_size, scale, causal)
+
+
+@packed_attention_op.register_kernel("cuda")
+def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
+      scale, causal):
+    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                 group_size, causal)
+    return _triton_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
+                        group_size, scale, causal)
+
+
+def layer_tensors(layer: PackedKV) -> tuple[torch.Tensor, ...]:
+    """The op's tensor arguments of a layer: (k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res,
+    v_res); a 16-bit side passes its raw [B, Hkv, P, D] tensor and empty fp16 scales/zeros."""
+    out: list[torch.Tensor] = []
+    for block in (layer.k_packed, layer.v_packed):
+        if isinstance(block, torch.Tensor):
+            empty = torch.empty(0, dtype=torch.float16, device=block.device)
+            out += [block, empty, empty]
+        else:
+            out += [block.codes, block.scale, block.zero]
+    return (*out, layer.k_res, layer.v_res)
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on CUDA, or anywhere under TRITON_INTERPRET=1 (tests)."""
+    mod = sys.modules.get("moend_fx.kernels.triton_decode")
+    interpreted = bool(getattr(mod, "INTERPRETED", False)) if mod is not None else False
+    return device.type == "cuda" or interpreted or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def packed_attention(
+    q: torch.Tensor, layer: PackedKV, *, scale: float | None = None, causal: bool = True,
+    kernel: str = "auto", num_splits: int = 0,
+) -> torch.Tensor:
+    """Attention of q: [B, H, L, D] over every token ``layer`` holds; returns [B, H, L, D] in q's dtype.
+
+    kernel: "auto" (the op: C++ on CPU, Triton on CUDA), "cpu", "triton" or "reference".
+    causal: the L queries are the newest L held tokens (append the chunk to the layer first).
+    num_splits: token splits for "cpu"/"triton" (0 = chosen from the length); for tests and benchmarks.
+    """
+    check_kernel(kernel)
+    tensors = layer_tensors(layer)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cfg = layer.config
+    args = (q, *tensors, cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal)
+    if kernel == "auto":
+        return torch.ops.moend.packed_attention(*args)
+    check_inputs(*args[:12], causal)
+    if kernel == "reference":
+        return reference_packed_attention(*args)
+    if kernel == "cpu":
+        if q.device.type != "cpu":
+            raise MoendError(f"kernel='cpu' needs CPU tensors; got q on {q.device} (use 'auto' or 'triton')")
+        return _cpu_impl(*args, num_splits=num_splits)
+    if not triton_usable(q.device):
+        raise MoendError(f"kernel='triton' needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
+                         "before moend_fx.kernels.triton_decode is imported; use kernel='auto' or 'cpu'")
+    return _triton_impl(*args, num_splits=num_splits)

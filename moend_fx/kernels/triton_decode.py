@@ -1,0 +1,243 @@
+"""Triton decode attention over packed K/V (flash-decoding with in-register dequantization).
+
+One program = (batch row x KV head, token split, query block). It loads the query rows of the GQA group
+(row m = query head ``m // L`` of the group, query ``m % L`` of the chunk), walks its share of the packed
+tokens ``BLOCK_N`` at a time, unpacks and dequantizes K and V in registers, and keeps an online softmax
+(running max ``m_i``, running sum ``l_i``, unnormalised ``acc``). The last split also walks the residual
+window. Splits write (m_i, l_i, acc) partials, merged by a log-sum-exp in torch (a few KB).
+
+Specialised by ``tl.constexpr`` on K bits, V bits, head_dim, group size, block sizes and causal; the layer's
+kept length picks the split count (:func:`choose_splits`).
+
+On a CPU-only machine this module must be imported with ``TRITON_INTERPRET=1`` already set (``@triton.jit``
+reads it when the kernel is decorated); :data:`INTERPRETED` records whether it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moend_fx.errors import MoendError
+
+
+@triton.jit
+def _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, IN_RES: tl.constexpr, K_BITS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
+    """K rows [BLOCK_N, HEAD_DIM] in fp32 for token offsets offs_n of the packed region or the residual."""
+    if IN_RES:
+        ptr = kr + (bkv * R + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    elif K_BITS == 16:
+        ptr = kp + (bkv * P + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        PER: tl.constexpr = 8 // K_BITS
+        W: tl.constexpr = HEAD_DIM // PER
+        # channel d is value d % PER of byte d // PER, at bit offset K_BITS * (d % PER)
+        byte = tl.load(kp + (bkv * P + offs_n)[:, None] * W + (offs_d // PER)[None, :], mask=n_mask[:, None],
+                       other=0)
+        code = (byte.to(tl.int32) >> ((offs_d % PER) * K_BITS)[None, :]) & ((1 << K_BITS) - 1)
+        # per-channel groups of GROUP tokens: scale/zero [.., P / GROUP, D]
+        sidx = (bkv * (P // GROUP) + offs_n // GROUP)[:, None] * HEAD_DIM + offs_d[None, :]
+        sc = tl.load(ks + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        ze = tl.load(kz + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        k = code.to(tl.float32) * sc + ze
+    return k
+
+
+@triton.jit
+def _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, IN_RES: tl.constexpr, V_BITS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, GROUP_V: tl.constexpr):
+    """V rows [BLOCK_N, HEAD_DIM] in fp32."""
+    if IN_RES:
+        ptr = vr + (bkv * R + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+        v = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    elif V_BITS == 16:
+        ptr = vp + (bkv * P + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+        v = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        PER: tl.constexpr = 8 // V_BITS
+        W: tl.constexpr = HEAD_DIM // PER
+        NG: tl.constexpr = HEAD_DIM // GROUP_V
+        byte = tl.load(vp + (bkv * P + offs_n)[:, None] * W + (offs_d // PER)[None, :], mask=n_mask[:, None],
+                       other=0)
+        code = (byte.to(tl.int32) >> ((offs_d % PER) * V_BITS)[None, :]) & ((1 << V_BITS) - 1)
+        # per-token groups of GROUP_V channels: scale/zero [.., P, D / GROUP_V]
+        sidx = (bkv * P + offs_n)[:, None] * NG + (offs_d // GROUP_V)[None, :]
+        sc = tl.load(vs + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        ze = tl.load(vz + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        v = code.to(tl.float32) * sc + ze
+    return v
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit):
+    """One online-softmax step over a block: q [BM, D] (pre-scaled), k/v [BN, D], token ids offs_tok [BN]."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
+    visible = n_mask[None, :] & (offs_tok[None, :] <= limit[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _packed_decode_kernel(
+    q_ptr, kp, ks, kz, vp, vs, vz, kr, vr, part_m, part_l, part_acc,
+    H, L, P, R, S, tokens_per_split, num_splits, scale,
+    GQ: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    tl.static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8")
+    tl.static_assert(GROUP_V % 4 == 0, "the V group must hold whole bytes of 2-bit codes")
+    tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (tl.dot)")
+    tl.static_assert(BLOCK_M >= 16, "BLOCK_M must be >= 16 (tl.dot)")
+    bkv = tl.program_id(0)  # b * Hkv + kv head
+    split = tl.program_id(1)
+    mblk = tl.program_id(2)
+    hkv = H // GQ
+    b = bkv // hkv
+    kvh = bkv % hkv
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = GQ * L
+    m_mask = offs_m < rows
+    head = kvh * GQ + offs_m // L
+    qpos = offs_m % L
+    q = tl.load(q_ptr + ((b * H + head) * L + qpos)[:, None] * HEAD_DIM + offs_d[None, :], mask=m_mask[:, None],
+                other=0.0).to(tl.float32) * scale
+    # bottom-right causal mask: query qpos of the newest L tokens sees token ids <= S - L + qpos
+    if CAUSAL:
+        limit = S - L + qpos
+    else:
+        limit = qpos * 0 + S - 1
+    limit = tl.where(m_mask, limit, -1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, P)
+    for t0 in range(start, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP)
+        v = _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, False, V_BITS, HEAD_DIM, GROUP_V)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit)
+
+    if split == num_splits - 1:
+        for t0 in range(0, R, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < R
+            k = _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, True, K_BITS, HEAD_DIM, GROUP)
+            v = _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, True, V_BITS, HEAD_DIM, GROUP_V)
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit)
+
+    # partials: [B*Hkv, splits, rows_padded] and [.., HEAD_DIM]
+    n_mblk = tl.num_programs(2)
+    row = (bkv * num_splits + split) * (n_mblk * BLOCK_M) + offs_m
+    tl.store(part_m + row, m_i)
+    tl.store(part_l + row, l_i)
+    tl.store(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], acc)
+
+
+# Whether @triton.jit gave interpreted kernels (TRITON_INTERPRET=1 was set when this module was imported).
+INTERPRETED = not isinstance(_packed_decode_kernel, triton.runtime.jit.JITFunction)
+
+
+@contextlib.contextmanager
+def _interpret_env():
+    """Keep TRITON_INTERPRET=1 set during an interpreted launch: Triton re-reads it lazily at launch time
+    (its interpreter imports check the knob), not only when the kernel was decorated."""
+    if not INTERPRETED or os.environ.get("TRITON_INTERPRET") == "1":
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def choose_splits(tokens: int, units: int, block_n: int, device: torch.device) -> int:
+    """Token splits for a kept length: enough programs to fill the GPU, each split >= 4 blocks long."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    max_splits = max(1, tokens // (4 * block_n))
+    return max(1, min(max_splits, -(-target // max(1, units))))
+
+
+def packed_attention_triton(
+    q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
+    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+    num_splits: int = 0, block_n: int | None = None, block_m: int | None = None,
+) -> torch.Tensor:
+    """Launch the decode kernel. Shapes as in ``ops.packed_attention_op``; returns [B, H, L, D] in q's dtype.
+
+    num_splits: token splits (0 = :func:`choose_splits`); block_n: tokens per step (default: G, at least 16).
+    """
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise MoendError(f"the Triton kernel needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
+                         "before moend_fx.kernels.triton_decode is imported")
+    b, h, l, d = q.shape
+    hkv, r = k_res.shape[1], k_res.shape[2]
+    p = k_packed.shape[2]
+    gq = h // hkv
+    if d & (d - 1) or d < 16:
+        raise MoendError(f"the Triton kernel needs a power-of-two head_dim >= 16; got {d} (use kernel='reference')")
+    gv = min(group_size, d)
+    block_n = block_n or max(16, min(group_size, 64))
+    rows = gq * l
+    block_m = block_m or max(16, min(64, triton.next_power_of_2(rows)))
+    n_mblk = -(-rows // block_m)
+    units = b * hkv * n_mblk
+    ns = num_splits or choose_splits(p, units, block_n, q.device)
+    per_split = -(-max(p, 1) // ns)
+    per_split = -(-per_split // block_n) * block_n  # whole blocks, so splits start on a block boundary
+    ns = max(1, -(-p // per_split))
+    dev = q.device
+    part_m = torch.empty(b * hkv, ns, n_mblk * block_m, device=dev, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(b * hkv, ns, n_mblk * block_m, d, device=dev, dtype=torch.float32)
+    # Raw (16-bit) blocks and empty scale tensors still need a valid pointer.
+    dummy = torch.zeros(1, device=dev, dtype=torch.float16)
+
+    def ptr(t):
+        return t.contiguous() if t.numel() else dummy
+
+    with _interpret_env():
+        _packed_decode_kernel[(b * hkv, ns, n_mblk)](
+            q.contiguous(), ptr(k_packed), ptr(k_scale), ptr(k_zero), ptr(v_packed), ptr(v_scale), ptr(v_zero),
+            ptr(k_res), ptr(v_res.to(k_res.dtype)), part_m, part_l, part_acc,
+            h, l, p, r, p + r, per_split, ns, float(scale),
+            GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=gv,
+            BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1),
+        )
+    # Merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+    mx = part_m.amax(dim=1, keepdim=True)
+    w = torch.exp(part_m - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx))
+    den = (w * part_l).sum(dim=1)
+    num = (w.unsqueeze(-1) * part_acc).sum(dim=1)
+    out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+    out = out.view(b, hkv, n_mblk * block_m, d)[:, :, :rows]
+    return out.reshape(b, hkv, gq, l, d).reshape(b, h, l, d).to(q.dtype)
