@@ -60,14 +60,17 @@ def main() -> None:
     ids = tok(ex.prompt_full, return_tensors="pt")
     n_prompt = ids["input_ids"].shape[1]
 
+    max_new = 12
     t0 = time.perf_counter()
-    result = get_solver(args.solver).solve(table, args.budget, context_length=n_prompt)
+    # Solve for the whole sequence (prompt + answer): new tokens wait in each layer's full-precision
+    # residual window, and the budget must hold at the end of generation too.
+    result = get_solver(args.solver).solve(table, args.budget, context_length=n_prompt + max_new)
     plan = result.plan
     print(f"[2/5] {args.solver} plan for {result.budget} in {1e3 * (time.perf_counter() - t0):.1f} ms; "
           f"predicted loss {result.predicted_loss:.4f}")
     print("      layer  keep  K  V   bytes")
     for i, c in enumerate(plan.layers):
-        b = plan_layer_bytes(c, n_prompt, fp, group_size=plan.group_size)
+        b = plan_layer_bytes(c, n_prompt + max_new, fp, group_size=plan.group_size)
         print(f"      {i:5d}  {c.keep_ratio:4.2f} {c.k_bits:2d} {c.v_bits:2d}  {format_bytes(b)}")
 
     moend_fx.prepare(model, plan, table=table)
@@ -81,7 +84,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(**ids, max_new_tokens=max_new, do_sample=False, return_dict_in_generate=True)
     gen_s = time.perf_counter() - t0
     answer = tok.decode(out.sequences[0, n_prompt:], skip_special_tokens=True)
     cache = out.past_key_values
@@ -90,7 +93,7 @@ def main() -> None:
     full_model = full_cache_bytes(fp, cache.get_seq_length(), dtype=None)
     ok = score(ex, answer) == 1.0
     print(f"[5/5] passkey at {n_prompt} tokens: expected {ex.answers[0]}, model said {answer.strip()!r} "
-          f"-> {'correct' if ok else 'WRONG'} ({gen_s:.1f} s for prefill + 12 tokens)")
+          f"-> {'correct' if ok else 'WRONG'} ({gen_s:.1f} s for prefill + {max_new} tokens)")
     print(f"      cache measured {format_bytes(measured)}: {full16 / measured:.1f}x smaller than a 16-bit cache "
           f"({format_bytes(full16)}), {full_model / measured:.1f}x smaller than the {fp.dtype} cache "
           f"({format_bytes(full_model)})")
