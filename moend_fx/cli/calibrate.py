@@ -1,0 +1,202 @@
+"""``moend calibrate``, ``moend show-table`` and ``moend validate-proxy``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moend_fx.plan import ALLOWED_SCORERS
+from moend_fx.sensitivity import SensitivityTable
+
+
+def default_table_path(model: str, scorer: str, tokens: int) -> Path:
+    """``$MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors``."""
+    from moend_fx.models import cache_root
+
+    name = Path(model).name.lower().replace("/", "-")
+    return cache_root() / "tables" / f"{name}-{scorer}-{tokens}.safetensors"
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from moend_fx.calibrate import calibrate
+    from moend_fx.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=args.scorer,
+                      seed=args.seed, window=args.window, progress=not args.quiet)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    out = Path(args.out) if args.out else default_table_path(args.model, args.scorer, args.tokens)
+    table.save(out)
+    print(f"calibrated {table.num_layers} layers x {len(table.grid)} configs on {args.sequences} x "
+          f"{args.tokens} tokens in {wall:.1f} s wall ({cpu:.1f} s CPU, {torch.get_num_threads()} threads)")
+    print(f"table: {out}")
+    return 0
+
+
+def table_text(table: SensitivityTable) -> str:
+    """Text summary: model, calibration, S per keep ratio (mean over layers), spread, the worst layers."""
+    from moend_fx.eval.proxy import spread_rows
+
+    fp, cal = table.fingerprint, table.calibration
+    lines = [
+        f"model: {fp.architecture} ({fp.num_layers} layers, {fp.num_heads} heads, {fp.num_kv_heads} KV heads, "
+        f"head_dim {fp.head_dim}, {fp.dtype})",
+        f"grid: {table.grid.describe()} = {len(table.grid)} configs; group size {table.group_size}",
+        "calibration: " + ", ".join(f"{k}={cal[k]}" for k in ("tokens", "num_sequences", "seed", "scorer",
+                                                               "window") if k in cal),
+        f"S range: {table.S.min():.4g} .. {table.S.max():.4g}",
+        "",
+        "mean S over layers (rows: keep ratio; columns: K/V bits):",
+    ]
+    g = table.grid
+    heads = [f"K{kb}/V{vb}" for kb in g.k_bits for vb in g.v_bits]
+    lines.append("keep   " + " ".join(f"{h:>9}" for h in heads))
+    for keep in g.keep_ratios:
+        vals = [table.column(_cfg(keep, kb, vb)).mean() for kb in g.k_bits for vb in g.v_bits]
+        lines.append(f"{keep:<6g} " + " ".join(f"{v:9.4f}" for v in vals))
+    rows = spread_rows(table)
+    if rows:
+        lines += ["", "per-layer spread (max/min over layers):"]
+        for r in rows:
+            ours = "inf" if math.isinf(r["ours"]) else f"{r['ours']:.1f}x"
+            lines.append(f"  {r['name']:<32} ours {ours:>9}  paper {r['paper']}x  "
+                         f"(most sensitive layer {r['argmax_layer']}, least {r['argmin_layer']})")
+    return "\n".join(lines)
+
+
+def _cfg(keep: float, kb: int, vb: int) -> Any:
+    from moend_fx.plan import LayerConfig
+
+    return LayerConfig(keep, kb, vb)
+
+
+def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
+    """Heatmap of log10 S: layers (rows) x configs (columns), written atomically."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moend_fx.io import atomic_write_bytes
+
+    S = table.S
+    floor = S[S > 0].min() if (S > 0).any() else 1e-12
+    data = np.log10(np.maximum(S, floor))
+    fig, ax = plt.subplots(figsize=(max(8, 0.22 * S.shape[1] + 2), max(4, 0.22 * S.shape[0] + 1.5)))
+    im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xticks(range(S.shape[1]))
+    ax.set_xticklabels([f"{c.keep_ratio:g}/{c.k_bits}/{c.v_bits}" for c in table.grid.configs], rotation=90,
+                       fontsize=6)
+    ax.set_ylabel("layer")
+    ax.set_xlabel("config (keep / K bits / V bits)")
+    ax.set_title(f"log10 S: {table.fingerprint.architecture}, "
+                 f"{table.calibration.get('tokens', '?')} tokens, scorer {table.calibration.get('scorer', '?')}")
+    fig.colorbar(im, ax=ax, label="log10 relative L2 error")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def cmd_show_table(args: argparse.Namespace) -> int:
+    table = SensitivityTable.load(args.table)
+    print(table_text(table))
+    if args.png:
+        print(f"heatmap: {heatmap_png(table, args.png)}")
+    if args.json:
+        print(json.dumps({**table.summary(), "S": table.S.tolist()}, indent=2))
+    return 0
+
+
+def cmd_validate_proxy(args: argparse.Namespace) -> int:
+    import torch
+
+    from moend_fx.eval.proxy import ProxySettings, markdown_report, validate_proxy, write_report
+    from moend_fx.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = SensitivityTable.load(args.table)
+    budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+    settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, continuation=args.continuation,
+                             seed=args.seed, random_plans=args.plans, budgets=budgets, solver=args.solver,
+                             window=args.window)
+    model, tok = load_model(args.model)
+    result = validate_proxy(model, tok, table, settings, progress=not args.quiet)
+    j, m = write_report(result, args.out)
+    print(markdown_report(result))
+    print(f"wrote {j} and {m}")
+    return 0
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
+    return v
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("calibrate", help="measure the per-layer sensitivity table S[layer, config]",
+                              description="One prefill per calibration sequence, then every grid config "
+                                          "per layer. Writes a safetensors table.")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder")
+    p.add_argument("--tokens", type=_positive, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--sequences", type=_positive, default=1, help="calibration sequences (default 1)")
+    p.add_argument("--scorer", default="trig", choices=list(ALLOWED_SCORERS), help="eviction scorer")
+    p.add_argument("--seed", type=int, default=0, help="calibration text seed")
+    p.add_argument("--window", type=_positive, default=64, help="observation window (last queries)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--out", default=None,
+                   help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_calibrate)
+
+    s = subparsers.add_parser("show-table", help="summarise a sensitivity table (text, optional heatmap PNG)")
+    s.add_argument("table", help="table file (.safetensors)")
+    s.add_argument("--png", default=None, help="write a heatmap (layers x configs) here")
+    s.add_argument("--json", action="store_true", help="also print the table as JSON")
+    s.set_defaults(func=cmd_show_table)
+
+    v = subparsers.add_parser("validate-proxy", help="correlate the table's predicted loss with end-to-end KL",
+                              description="Held-out sequences, random and solver plans; Pearson/Spearman and "
+                                          "the per-layer spread vs the paper. Writes proxy.json and proxy.md.")
+    v.add_argument("--table", required=True, help="table file (.safetensors)")
+    v.add_argument("--model", default="smollm2-135m")
+    v.add_argument("--sequences", type=_positive, default=8)
+    v.add_argument("--tokens", type=_positive, default=2048, help="context tokens per held-out sequence")
+    v.add_argument("--continuation", type=_positive, default=64, help="teacher-forced tokens after the context")
+    v.add_argument("--plans", type=int, default=24, help="random plans (solver plans come on top)")
+    v.add_argument("--budgets", default=",".join(_default_budgets()), help="comma-separated solver budgets")
+    v.add_argument("--solver", default="greedy")
+    v.add_argument("--seed", type=int, default=1, help="held-out text seed")
+    v.add_argument("--window", type=_positive, default=64)
+    v.add_argument("--threads", type=int, default=0)
+    v.add_argument("--out", required=True, help="output folder")
+    v.add_argument("--quiet", action="store_true")
+    v.set_defaults(func=cmd_validate_proxy)
+
+
+def _default_budgets() -> tuple[str, ...]:
+    from moend_fx.eval.proxy import DEFAULT_BUDGETS
+
+    return DEFAULT_BUDGETS
+

@@ -1,0 +1,353 @@
+"""Does the table predict quality? Predicted loss ``sum_l S[l, c_l]`` vs measured end-to-end KL.
+
+For each held-out sequence (context of ``tokens`` tokens + a teacher-forced continuation of
+``continuation`` tokens, text the calibration never saw: the ``"heldout"`` split of
+:mod:`moend_fx.calib_data` with its own seed):
+
+1. Prefill the context once at full precision, capturing every layer's K/V and last-``window`` queries
+   (the prefill itself is never compressed, as in the cache).
+2. For a plan, compress each layer's context K/V as the cache does: score with the table's scorer
+   (``trig`` with the table's calibrated query statistics), keep ``keep_count(T, keep)`` tokens per KV
+   head (sinks, recent window, best scores), quantize the kept K/V with :class:`~moend_fx.packed.PackedKV`
+   (residual window in full precision) and dequantize.
+3. Run the continuation tokens (positions ``T .. T+M-1``) through the model with an attention function
+   in which they attend to the compressed context plus, causally, their own K/V at full precision.
+   This is exactly decoding the continuation against the compressed prefill cache with teacher forcing,
+   except that the new tokens stay unquantized (the cache would pack each full group of 32 appended
+   tokens) and no re-eviction happens (the cache re-evicts every 128 tokens; M <= 128 here).
+4. Measured loss = mean over continuation positions of ``KL(p_full || p_plan)`` of the next-token
+   distributions, where ``p_full`` comes from the same run with every layer lossless.
+
+Plans: random plans spanning light to heavy compression, plus the solver's plans at several budgets.
+Reported: Pearson and Spearman correlation (all plans; solver plans alone) and the per-layer spread
+(max/min over layers of S) next to the paper's. No cache object is needed for any of this.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moend_fx.attention import attention_dense
+from moend_fx.calib_data import token_sequences
+from moend_fx.calibrate import _body, _kept, build_scorer
+from moend_fx.capture import AttentionCapture, LayerCapture, attention_override
+from moend_fx.errors import BudgetError, MoendError
+from moend_fx.io import atomic_write_text
+from moend_fx.memory import full_cache_bytes, plan_bytes
+from moend_fx.packed import PackedKV
+from moend_fx.plan import LayerConfig, RoutingPlan
+from moend_fx.rope import rope_from_model
+from moend_fx.sensitivity import SensitivityTable
+
+# The paper's per-layer spread (max/min across layers of S), Table/Figure in arXiv 2604.17695.
+PAPER_SPREAD: tuple[tuple[str, LayerConfig, float], ...] = (
+    ("evict 75% (keep 0.25, 16/16)", LayerConfig(0.25, 16, 16), 548.0),
+    ("evict 90% (keep 0.1, 16/16)", LayerConfig(0.1, 16, 16), 689.0),
+    ("K8 (keep 1.0, K8/V16)", LayerConfig(1.0, 8, 16), 87.0),
+    ("K4 (keep 1.0, K4/V16)", LayerConfig(1.0, 4, 16), 15.0),
+    ("V8 (keep 1.0, K16/V8)", LayerConfig(1.0, 16, 8), 1.6),
+    ("V4 (keep 1.0, K16/V4)", LayerConfig(1.0, 16, 4), 1.2),
+)
+PAPER_CORRELATION = {"pearson": 0.945, "spearman": 0.937}
+DEFAULT_BUDGETS: tuple[str, ...] = ("1.5x", "2x", "3x", "4x", "6x", "8x", "12x", "16x")
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Held-out set and plan mix of one validation run."""
+
+    sequences: int = 8
+    tokens: int = 2048
+    continuation: int = 64
+    seed: int = 1
+    random_plans: int = 24
+    budgets: tuple[str, ...] = DEFAULT_BUDGETS
+    solver: str = "greedy"
+    plan_seed: int = 0
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("sequences", "tokens", "continuation", "window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise MoendError(f"{name}={v!r} is invalid; allowed: a positive integer")
+        for name in ("seed", "random_plans", "plan_seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise MoendError(f"{name}={v!r} is invalid; allowed: an integer >= 0")
+        object.__setattr__(self, "budgets", tuple(self.budgets))
+
+
+@dataclass
+class PlanResult:
+    name: str
+    kind: str  # "random" | "solver" | "uniform"
+    configs: list[str]
+    predicted: float
+    bytes: int
+    ratio_vs_16bit: float
+    kl_per_sequence: list[float] = field(default_factory=list)
+
+    @property
+    def measured(self) -> float:
+        return float(np.mean(self.kl_per_sequence)) if self.kl_per_sequence else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def random_plans(table: SensitivityTable, n: int, seed: int) -> list[tuple[str, tuple[LayerConfig, ...]]]:
+    """``n`` random plans from light to heavy: each layer is lossless with probability p (p ~ U(0, 0.6)),
+    else a random grid config whose keep ratio is at least a per-plan floor (so some plans only quantize).
+    """
+    rng = np.random.default_rng(seed)
+    configs = table.grid.configs
+    lossless = [c for c in configs if c.lossless]
+    keeps = sorted(table.grid.keep_ratios)
+    out = []
+    for i in range(n):
+        p = rng.uniform(0.0, 0.6)
+        floor = keeps[int(rng.integers(0, len(keeps)))]
+        pool = [c for c in configs if c.keep_ratio >= floor and not c.lossless] or list(configs)
+        layers = tuple(
+            lossless[0] if lossless and rng.random() < p else pool[int(rng.integers(0, len(pool)))]
+            for _ in range(table.num_layers)
+        )
+        out.append((f"random-{i}", layers))
+    return out
+
+
+def solver_plans(table: SensitivityTable, budgets: tuple[str, ...], solver: str, context_length: int,
+                 ) -> list[tuple[str, tuple[LayerConfig, ...]]]:
+    """The solver's plan at each budget; budgets the grid cannot meet are skipped."""
+    from moend_fx.solvers import get_solver
+
+    s = get_solver(solver)
+    out = []
+    for b in budgets:
+        try:
+            res = s.solve(table, b, context_length=context_length)
+        except BudgetError:
+            continue
+        out.append((f"{solver}-{b}", tuple(res.plan.layers)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ measurement
+
+
+def compressed_kv(cap: LayerCapture, config: LayerConfig, scores: torch.Tensor | None, *, group_size: int,
+                  sink_tokens: int, recent_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context K, V [B, Hkv, n, D] a layer with ``config`` holds after the prefill, dequantized."""
+    k, v, pos = _kept(cap, scores, config.keep_ratio, sink_tokens, recent_tokens)
+    if not config.quantized:
+        return k, v
+    return PackedKV.from_dense(k, v, config, group_size, pos).dequantize(k.dtype)
+
+
+def continuation_logits(model: Any, cont_ids: torch.Tensor, start: int,
+                        kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Logits [B, M, V] of cont_ids [B, M] at positions start.. attending to per-layer context ``kv`` + itself."""
+
+    def attend(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               scaling: float | None = None, **kw: Any) -> tuple[torch.Tensor, None]:
+        k0, v0 = kv[int(module.layer_idx)]
+        # the M new queries are the newest M of the n + M keys: bottom-right causal mask
+        out = attention_dense(q, torch.cat([k0, k], 2), torch.cat([v0, v], 2), scale=scaling,
+                              causal_chunk=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    m = cont_ids.shape[1]
+    pos = torch.arange(start, start + m, device=cont_ids.device)[None].expand(cont_ids.shape[0], m)
+    with attention_override(model, attend):
+        return model(input_ids=cont_ids, position_ids=pos, use_cache=False).logits
+
+
+class HeldOutSequence:
+    """One held-out sequence, prefilled: per-layer captures and eviction scores, reference log-probs."""
+
+    def __init__(self, model: Any, table: SensitivityTable, ids: torch.Tensor, context: int, window: int):
+        self.model = model
+        self.table = table
+        self.context = context
+        cal = table.calibration
+        self.group_size = table.group_size
+        self.sink = int(cal.get("sink_tokens", 4))
+        self.recent = int(cal.get("recent_tokens", 32))
+        scorer_name = str(cal.get("scorer", "trig"))
+        device = next(model.parameters()).device
+        self.cont = ids[None, context:].to(device)
+        cap = AttentionCapture(model, window=window)
+        with torch.no_grad(), cap:
+            _body(model)(input_ids=ids[None, :context].to(device), use_cache=False)
+        self.layers = [cap.pop(l) for l in range(table.num_layers)]
+        rope = rope_from_model(model) if scorer_name == "trig" else None
+        self.scores: list[torch.Tensor] = []
+        with torch.no_grad():
+            for l, c in enumerate(self.layers):
+                stats = table.layer_stats(l) if (scorer_name == "trig" and table.has_stats()) else None
+                scorer = build_scorer(scorer_name, rope, stats, window)
+                b, hkv, t, _ = c.keys.shape
+                kp = c.key_positions[:, None, :].expand(b, hkv, t)
+                self.scores.append(scorer.score(c.keys, c.values, queries=c.queries, key_positions=kp,
+                                                query_positions=c.query_positions))
+        lossless = LayerConfig(1.0, 16, 16)
+        self.ref_logp = self.log_probs((lossless,) * table.num_layers)
+
+    def log_probs(self, layers: tuple[LayerConfig, ...]) -> torch.Tensor:
+        """log p [M, V] float64 of the continuation under a plan."""
+        with torch.no_grad():
+            kv = [compressed_kv(c, cfg, s, group_size=self.group_size, sink_tokens=self.sink,
+                                recent_tokens=self.recent)
+                  for c, cfg, s in zip(self.layers, layers, self.scores)]
+            logits = continuation_logits(self.model, self.cont, self.context, kv)
+        return torch.log_softmax(logits[0].double(), dim=-1)
+
+    def kl(self, layers: tuple[LayerConfig, ...]) -> float:
+        """Mean over continuation positions of KL(p_full || p_plan)."""
+        lp = self.log_probs(layers)
+        kl = (self.ref_logp.exp() * (self.ref_logp - lp)).sum(dim=-1)
+        return float(kl.mean())
+
+
+def correlations(pred: list[float], meas: list[float]) -> dict[str, float]:
+    from scipy.stats import pearsonr, spearmanr
+
+    if len(pred) < 3 or np.std(pred) == 0 or np.std(meas) == 0:
+        return {"pearson": float("nan"), "spearman": float("nan"), "n": len(pred)}
+    return {"pearson": float(pearsonr(pred, meas)[0]), "spearman": float(spearmanr(pred, meas)[0]),
+            "n": len(pred)}
+
+
+def spread_rows(table: SensitivityTable) -> list[dict[str, Any]]:
+    """Per-layer spread (max/min over layers of S) for the paper's six columns, with the paper's value."""
+    rows = []
+    for name, cfg, paper in PAPER_SPREAD:
+        if cfg not in table.grid.configs:
+            continue
+        col = table.column(cfg)
+        rows.append({"name": name, "config": cfg.name, "ours": table.spread(cfg), "paper": paper,
+                     "min": float(col.min()), "max": float(col.max()),
+                     "argmin_layer": int(col.argmin()), "argmax_layer": int(col.argmax())})
+    return rows
+
+
+def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
+                   settings: ProxySettings | None = None, *, progress: bool = False) -> dict[str, Any]:
+    """Run the validation; returns a JSON-ready dict (see :func:`write_report`)."""
+    settings = settings or ProxySettings()
+    table.check_model(model)
+    t0 = time.perf_counter()
+    T, M = settings.tokens, settings.continuation
+    ids, source = token_sequences(model, tokenizer, settings.sequences, T + M, seed=settings.seed,
+                                  split="heldout")
+    plans = [(n, "random", p) for n, p in random_plans(table, settings.random_plans, settings.plan_seed)]
+    plans += [(n, "solver", p) for n, p in solver_plans(table, settings.budgets, settings.solver, T)]
+    full16 = full_cache_bytes(table.fingerprint, T)
+    results = []
+    for name, kind, layers in plans:
+        plan = RoutingPlan(layers=layers, fingerprint=table.fingerprint, budget_bytes=1, context_length=T,
+                           grid=table.grid, group_size=table.group_size)
+        nbytes = plan_bytes(plan)
+        results.append(PlanResult(name, kind, [c.name for c in layers], table.predicted_loss(layers), nbytes,
+                                  full16 / nbytes))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=settings.sequences * len(plans), desc="validate-proxy (sequences x plans)",
+               disable=not progress)
+    try:
+        for s in range(settings.sequences):
+            seq = HeldOutSequence(model, table, ids[s], T, settings.window)
+            for r, (_, _, layers) in zip(results, plans):
+                r.kl_per_sequence.append(seq.kl(layers))
+                bar.update(1)
+            del seq
+    finally:
+        bar.close()
+    pred = [r.predicted for r in results]
+    meas = [r.measured for r in results]
+    sol = [r for r in results if r.kind == "solver"]
+    rnd = [r for r in results if r.kind == "random"]
+    return {
+        "settings": {**asdict(settings), "budgets": list(settings.budgets)},
+        "heldout_source": source,
+        "table": {"calibration": table.calibration, "model": table.fingerprint.to_dict(),
+                  "grid": table.grid.to_dict(), "group_size": table.group_size},
+        "correlation": {
+            "all": correlations(pred, meas),
+            "solver": correlations([r.predicted for r in sol], [r.measured for r in sol]),
+            "random": correlations([r.predicted for r in rnd], [r.measured for r in rnd]),
+            "paper": PAPER_CORRELATION,
+        },
+        "spread": spread_rows(table),
+        "plans": [{**asdict(r), "measured_kl": r.measured} for r in results],
+        "wall_time_s": time.perf_counter() - t0,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.{digits}f}"
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    c = result["correlation"]
+    lines = [
+        "# Proxy validation: predicted loss (sum of S) vs end-to-end KL",
+        "",
+        f"Held-out: {s['sequences']} sequences x {s['tokens']} context tokens + {s['continuation']} "
+        f"teacher-forced continuation tokens (split `heldout`, seed {s['seed']}); "
+        f"{s['random_plans']} random plans + `{s['solver']}` plans at budgets {', '.join(s['budgets'])} "
+        "(ratios vs a 16-bit cache).",
+        "",
+        "| plans | n | Pearson | Spearman |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k in ("all", "solver", "random"):
+        lines.append(f"| {k} | {c[k]['n']} | {_fmt(c[k]['pearson'])} | {_fmt(c[k]['spearman'])} |")
+    lines.append(f"| paper (DeepSeek-R1-Distill-Qwen-7B) | - | {c['paper']['pearson']} | "
+                 f"{c['paper']['spearman']} |")
+    lines += ["", "## Per-layer spread (max / min over layers of S)", "",
+              "| column | ours | paper | min S (layer) | max S (layer) |", "| --- | --- | --- | --- | --- |"]
+    for r in result["spread"]:
+        lines.append(f"| {r['name']} | {_fmt(r['ours'], 1)}x | {r['paper']}x | {_fmt(r['min'], 4)} "
+                     f"({r['argmin_layer']}) | {_fmt(r['max'], 4)} ({r['argmax_layer']}) |")
+    lines += ["", "## Plans", "", "| plan | kind | x vs 16-bit | predicted | measured KL |",
+              "| --- | --- | --- | --- | --- |"]
+    for p in sorted(result["plans"], key=lambda p: p["predicted"]):
+        lines.append(f"| {p['name']} | {p['kind']} | {p['ratio_vs_16bit']:.2f} | {p['predicted']:.4f} | "
+                     f"{p['measured_kl']:.5f} |")
+    lines += ["", f"Wall time: {result['wall_time_s']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def write_report(result: dict[str, Any], out_dir: str | os.PathLike) -> tuple[Path, Path]:
+    """``proxy.json`` and ``proxy.md`` in ``out_dir`` (atomic writes)."""
+    out = Path(out_dir)
+    j = atomic_write_text(out / "proxy.json", json.dumps(result, indent=2, default=_json_default) + "\n")
+    m = atomic_write_text(out / "proxy.md", markdown_report(result))
+    return j, m
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
