@@ -1,0 +1,125 @@
+"""``docs/results.md`` from per-benchmark sections: one section per benchmark, each headed by the command
+that regenerates it.
+
+Every benchmark writes its section into ``<results>/sections/<key>.md`` (with ``<key>.json`` beside it: the
+command, the time, the files). :func:`render_results` rebuilds the document from a fixed template in
+:data:`SECTIONS` order, taking each section from, in turn: the results folder; the block of the same key in
+the existing document (between ``<!-- section:KEY -->`` and ``<!-- /section:KEY -->``), so benchmarks that
+were not re-run keep their published text; else a placeholder saying how to produce it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moend_fx.errors import MoendError
+from moend_fx.io import atomic_write_text
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    key: str
+    title: str
+    default_command: str
+    about: str
+
+
+SECTIONS: tuple[SectionSpec, ...] = (
+    SectionSpec("decode", "Decode speed and memory", "moend bench decode",
+                "Per-token decode time and memory at long context: full cache vs MoENDCache, eager vs compiled."),
+    SectionSpec("eval", "Accuracy vs memory", "moend bench eval",
+                "Long-context accuracy of each method at matched measured cache memory."),
+    SectionSpec("solvers", "Solvers: speed and optimality gaps", "moend bench solvers",
+                "Predicted loss of each solver against the exact optimum, and solve times."),
+    SectionSpec("calibrate", "Calibration time", "moend bench calibrate",
+                "Wall time to measure the sensitivity table S[layer, config]."),
+    SectionSpec("kernels", "Decode attention kernels", "moend bench kernels",
+                "One decode attention call over a compressed layer: fused CPU kernel vs SDPA vs dequantize+SDPA."),
+)
+KEYS: tuple[str, ...] = tuple(s.key for s in SECTIONS)
+
+HEADER = """# Results
+
+Every table and plot below comes from `moend bench`; each section starts with the exact command that
+regenerates it, and `moend bench all` regenerates them all (then this file). The machine is shared and
+timings move by up to ~25% between runs: compare rows of one run and read the ratios, not the absolute
+milliseconds. Memory ratios are against a 16-bit cache of the same tokens (the paper's base) unless a column
+says "model dtype".
+
+Do not edit the sections by hand: they are rewritten from the results folder.
+"""
+
+_BLOCK = re.compile(r"<!-- section:(?P<key>[a-z_]+) -->\n(?P<body>.*?)<!-- /section:(?P=key) -->", re.S)
+
+
+def _spec(key: str) -> SectionSpec:
+    for s in SECTIONS:
+        if s.key == key:
+            return s
+    raise MoendError(f"benchmark section {key!r} is unknown; allowed: {', '.join(KEYS)}")
+
+
+def section_dir(results_dir: str | os.PathLike) -> Path:
+    return Path(results_dir) / "sections"
+
+
+def write_section(results_dir: str | os.PathLike, key: str, command: str, markdown: str,
+                  files: dict[str, str | os.PathLike] | None = None) -> Path:
+    """Store one benchmark's section (``markdown`` = its tables; ``files`` = outputs such as a PNG, linked
+    from the section) in ``<results_dir>/sections/``. Returns the section's Markdown path."""
+    _spec(key)
+    d = section_dir(results_dir)
+    meta = {"key": key, "command": command, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "files": {k: str(v) for k, v in (files or {}).items()}}
+    atomic_write_text(d / f"{key}.json", json.dumps(meta, indent=1) + "\n")
+    return atomic_write_text(d / f"{key}.md", markdown.rstrip() + "\n")
+
+
+def section_block(key: str, command: str, markdown: str, *, written: str | None = None,
+                  images: list[str] | tuple[str, ...] = ()) -> str:
+    """One section of the document: title, the regenerating command, the body, the images."""
+    spec = _spec(key)
+    lines = [f"## {spec.title}", "", spec.about, "", "Regenerate with:", "", "```", command, "```", ""]
+    if written:
+        lines += [f"_Last run: {written}._", ""]
+    lines += [markdown.rstrip(), ""]
+    for img in images:
+        lines += [f"![{spec.title}]({img})", ""]
+    return "\n".join(lines)
+
+
+def _placeholder(spec: SectionSpec) -> str:
+    return section_block(spec.key, spec.default_command, "_Not run yet: run the command above._")
+
+
+def existing_blocks(doc_text: str) -> dict[str, str]:
+    """``{key: block text}`` of the marked sections of an existing document."""
+    return {m.group("key"): m.group("body") for m in _BLOCK.finditer(doc_text)}
+
+
+def render_results(results_dir: str | os.PathLike, doc_path: str | os.PathLike) -> Path:
+    """Rewrite ``doc_path`` from the sections stored in ``results_dir`` (keeping the document's own blocks for
+    benchmarks with no stored section). Image links are made relative to the document's folder."""
+    doc = Path(doc_path)
+    old = existing_blocks(doc.read_text()) if doc.is_file() else {}
+    d = section_dir(results_dir)
+    parts = [HEADER]
+    for spec in SECTIONS:
+        md_path, meta_path = d / f"{spec.key}.md", d / f"{spec.key}.json"
+        if md_path.is_file() and meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            images = [os.path.relpath(Path(p).resolve(), doc.parent.resolve())
+                      for k, p in meta.get("files", {}).items() if str(p).endswith(".png") and Path(p).is_file()]
+            body = section_block(spec.key, meta["command"], md_path.read_text(), written=meta.get("written"),
+                                 images=images)
+        elif spec.key in old:
+            body = old[spec.key]
+        else:
+            body = _placeholder(spec)
+        parts.append(f"<!-- section:{spec.key} -->\n{body.rstrip()}\n<!-- /section:{spec.key} -->\n")
+    return atomic_write_text(doc, "\n".join(parts))

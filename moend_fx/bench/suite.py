@@ -1,0 +1,197 @@
+"""The benchmarks behind ``moend bench {solvers,calibrate,kernels,eval,decode}``: each runs, writes JSON +
+Markdown (+ PNG) into its own folder and returns ``(markdown, files)`` for its ``docs/results.md`` section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moend_fx.errors import MoendError
+from moend_fx.io import atomic_write_bytes, atomic_write_text
+
+Files = dict[str, Path]
+
+
+def default_table_path(model: str = "smollm2-135m", tokens: int = 2048) -> Path:
+    """``$MOEND_CACHE/tables/<model>-trig-<tokens>.safetensors`` (where ``moend calibrate`` saves it)."""
+    from moend_fx.models import cache_root
+
+    return cache_root() / "tables" / f"{Path(model).name.lower()}-trig-{tokens}.safetensors"
+
+
+def _machine() -> dict[str, Any]:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine()}
+
+
+# --------------------------------------------------------------------------------------------- solvers
+
+
+def bench_solvers_section(table_spec: str, budgets: Sequence[str], *, trials: Sequence[int] = (),
+                          repeats: int = 20, context_length: int | None = None,
+                          out: str | os.PathLike) -> tuple[str, Files]:
+    """compare_solvers + bench_solvers on one table (a file or ``synthetic:LAYERS[:SEED]``)."""
+    from moend_fx.cli.solve import DEFAULT_CONTEXT, load_table
+    from moend_fx.solvers.compare import bench_solvers, compare_solvers, markdown_table, write_comparison
+
+    table = load_table(table_spec)
+    ctx = context_length or int(table.calibration.get("context_length") or DEFAULT_CONTEXT)
+    result = compare_solvers(table, list(budgets), context_length=ctx, trials=list(trials))
+    files = write_comparison(result, out)
+    speed = bench_solvers(table, list(budgets), list(trials), context_length=ctx, repeats=repeats)
+    files["speed_json"] = atomic_write_text(Path(out) / "speed.json", json.dumps(speed, indent=1) + "\n")
+    lines = [f"Table: `{table_spec}`.", "", markdown_table(result).rstrip(), "",
+             f"Solve time ({repeats} repeats for greedy, median):", "",
+             "| budget | greedy median | greedy max | exact median | greedy gap to exact |"
+             + "".join(f" optuna@{n} time | optuna@{n} gap |" for n in trials),
+             "| --- | ---: | ---: | ---: | ---: |" + " ---: | ---: |" * len(trials)]
+    for b, f in speed["budgets"].items():
+        gap = "" if f["greedy_gap_pct"] is None else f"{f['greedy_gap_pct']:.2f}%"
+        row = (f"| {b} | {f['greedy_median_ms']:.2f} ms | {f['greedy_max_ms']:.2f} ms | "
+               f"{f['exact_median_ms']:.1f} ms | {gap} |")
+        for n in trials:
+            g = f.get(f"optuna@{n}_gap_pct")
+            row += f" {f[f'optuna@{n}_s']:.1f} s | {'' if g is None else f'{g:.2f}%'} |"
+        lines.append(row)
+    return "\n".join(lines) + "\n", files
+
+
+# --------------------------------------------------------------------------------------------- calibrate
+
+
+def bench_calibrate_section(model_name: str, *, tokens: int = 2048, sequences: int = 1,
+                            out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
+    """Time :func:`moend_fx.calibrate.calibrate` (one prefill, then every grid config per layer)."""
+    from moend_fx.calibrate import calibrate
+    from moend_fx.models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(model_name)
+    load_s = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    table = calibrate(model, tok, tokens=tokens, num_sequences=sequences, progress=progress)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    fig = {"model": model_name, "layers": table.num_layers, "configs": len(table.grid), "tokens": tokens,
+           "sequences": sequences, "wall_s": wall, "cpu_s": cpu, "load_s": load_s, **_machine()}
+    out = Path(out)
+    files = {"json": atomic_write_text(out / "calibrate.json", json.dumps(fig, indent=1) + "\n")}
+    md = ("| model | layers x configs | tokens x sequences | wall | CPU | threads |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |\n"
+          f"| {model_name} | {fig['layers']} x {fig['configs']} | {tokens} x {sequences} | {wall:.1f} s | "
+          f"{cpu:.1f} s | {fig['threads']} |\n\n"
+          f"Model load ({load_s:.1f} s) not included.\n")
+    files["markdown"] = atomic_write_text(out / "calibrate.md", md)
+    return md, files
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+def bench_kernels_section(lengths: Sequence[int], *, runs: int = 30, out: str | os.PathLike) -> tuple[str, Files]:
+    """Wrap ``moend_fx.kernels.bench`` (one decode attention call over a compressed layer)."""
+    try:
+        from moend_fx.kernels import bench as kbench
+    except ImportError as e:
+        raise MoendError(f"the kernel benchmark is not available ({e}); moend_fx.kernels.bench is missing") from None
+    rows = kbench.bench_decode(tuple(lengths), runs=runs)
+    md = kbench.to_markdown(rows)
+    out = Path(out)
+    files = {"json": atomic_write_text(out / "kernels.json", json.dumps(rows, indent=1) + "\n"),
+             "markdown": atomic_write_text(out / "kernels.md", md),
+             "plot": _plot_kernels(rows, out / "kernels.png")}
+    return md, files
+
+
+def _plot_kernels(rows: list[dict], path: Path) -> Path:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                linestyle="--" if name.startswith("reference") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("held tokens")
+    ax.set_ylabel("ms per decode attention call (median)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+# --------------------------------------------------------------------------------------------- eval
+
+
+def bench_eval_section(model_name: str, table_path: str | os.PathLike, config: Any, *, out: str | os.PathLike,
+                       progress: bool = True) -> tuple[str, Files]:
+    """Wrap the evaluation runner (``moend eval``) with a small configuration; resumes from ``out``."""
+    from moend_fx.eval.report import write_report
+    from moend_fx.eval.runner import Runner
+    from moend_fx.models import load_model
+    from moend_fx.sensitivity import SensitivityTable
+
+    table_path = Path(table_path)
+    if not table_path.is_file():
+        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
+                         "--table PATH")
+    table = SensitivityTable.load(table_path)
+    model, tok = load_model(model_name)
+    runner = Runner(model, tok, table, config, progress=progress)
+    result = runner.run(out, resume=True)
+    meta = dict(result.meta, table_path=str(table_path), model_name=model_name)
+    paths = write_report(result.records, out, meta=meta, plans=result.plans)
+    md_path = paths.get("md") or paths.get("markdown")
+    md = Path(md_path).read_text() if md_path else ""
+    if runner.skipped:
+        md += "\nSkipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.skipped.items()) + "\n"
+    return md, {k: Path(v) for k, v in paths.items()}
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+def bench_decode_section(model_name: str, settings: Any, *, table_path: str | None = None,
+                         plan_path: str | None = None, out: str | os.PathLike,
+                         progress: bool = True) -> tuple[str, Files, dict[str, Any]]:
+    """Load the model (and the table or plan) and run :func:`moend_fx.bench.decode.bench_decode`."""
+    from moend_fx.bench.decode import bench_decode, markdown_table, write_decode
+    from moend_fx.models import load_model
+
+    table = plan = None
+    if table_path and plan_path:
+        raise MoendError("give --table or --plan, not both")
+    if table_path:
+        from moend_fx.cli.solve import load_table
+
+        table = load_table(table_path)
+    if plan_path:
+        from moend_fx.plan import RoutingPlan
+
+        if not Path(plan_path).is_file():
+            raise MoendError(f"plan file {plan_path!r} does not exist")
+        plan = RoutingPlan.load(plan_path)
+    model, _ = load_model(model_name)
+    result = bench_decode(model, settings, table=table, plan=plan, progress=progress,
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
+    result["meta"]["model_name"] = model_name
+    result["meta"]["table"] = table_path
+    files = write_decode(result, out)
+    return markdown_table(result), files, result
+

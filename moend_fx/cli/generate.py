@@ -1,0 +1,166 @@
+"""``moend generate``: a prompt through a model prepared with a routing plan (optionally compiled with the
+``moend`` backend); prints the answer, the measured cache memory against the full cache, and the time.
+
+    moend generate --model smollm2-135m --budget 14x --prompt "The capital of France is"
+    moend generate --plan plan.json --compile --file prompt.txt --max-new-tokens 32
+
+Where the plan comes from: ``--plan FILE``; or ``--budget`` solved with greedy on a sensitivity table for the
+prompt's length plus ``--max-new-tokens``. The table is ``--table``, else the cached
+``$MOEND_CACHE/tables/<model>-trig-2048.safetensors`` (what ``moend calibrate`` writes), else a quick
+calibration (``--calib-tokens``, default 1024) that is saved to ``$MOEND_CACHE/tables/<model>-trig-<N>.safetensors``
+and reused next time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moend_fx.errors import MoendError, PlanError
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise MoendError(f"prompt file {args.file!r} does not exist")
+        text = path.read_text()
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise MoendError("the prompt is empty; give --prompt TEXT or --file PATH with some text")
+    return text
+
+
+def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, str]:
+    """(table, where it came from): --table, the cached 2048-token table, a cached quick one, or calibrate."""
+    from moend_fx.bench.suite import default_table_path
+    from moend_fx.cli.solve import load_table
+    from moend_fx.sensitivity import SensitivityTable
+
+    if args.table is not None:
+        return load_table(args.table), args.table
+    for tokens in (2048, args.calib_tokens):
+        path = default_table_path(args.model, tokens)
+        if path.is_file():
+            return SensitivityTable.load(path), str(path)
+    from moend_fx.calibrate import calibrate
+
+    path = default_table_path(args.model, args.calib_tokens)
+    print(f"no sensitivity table for {args.model}: calibrating on {args.calib_tokens} tokens "
+          f"(saved to {path}; run `moend calibrate` for the full 2048-token table)", file=sys.stderr)
+    table = calibrate(model, tokenizer, tokens=args.calib_tokens, progress=not args.quiet)
+    table.save(path)
+    return table, f"{path} (just calibrated)"
+
+
+def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_length: int) -> tuple[Any, Any, str]:
+    """(plan, table or None, a sentence saying where the plan came from)."""
+    from moend_fx.plan import RoutingPlan
+    from moend_fx.solvers import get_solver
+
+    if args.plan is not None:
+        if not Path(args.plan).is_file():
+            raise PlanError(f"plan file {args.plan!r} does not exist")
+        plan = RoutingPlan.load(args.plan)
+        plan.check_model(model)
+        return plan, None, f"{args.plan} ({plan.solver}, solved for {plan.context_length} tokens)"
+    table, source = find_table(args, model, tokenizer)
+    if table.fingerprint.mismatch(plan_fp(model), "table"):
+        raise PlanError(f"table {source} was made for another model: "
+                        f"{table.fingerprint.mismatch(plan_fp(model), 'table')}; calibrate one for this model")
+    res = get_solver("greedy").solve(table, args.budget, context_length=context_length)
+    return res.plan, table, f"greedy for budget {args.budget} on {source}, solved for {context_length} tokens"
+
+
+def plan_fp(model: Any) -> Any:
+    from moend_fx.plan import ModelFingerprint
+
+    return ModelFingerprint.from_model(model)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from moend_fx.bench.decode import plan_summary
+    from moend_fx.memory import format_bytes, full_cache_bytes
+    from moend_fx.models import load_model
+    from moend_fx.prepare import prepare
+
+    if args.max_new_tokens <= 0:
+        raise MoendError(f"--max-new-tokens={args.max_new_tokens} is invalid; allowed: a positive integer")
+    prompt = read_prompt(args)
+    # Files first: a typo should not cost a model load.
+    if args.plan is not None and not Path(args.plan).is_file():
+        raise PlanError(f"plan file {args.plan!r} does not exist")
+    if args.table is not None and not args.table.startswith("synthetic:") and not Path(args.table).is_file():
+        raise MoendError(f"table file {args.table!r} does not exist; give a .safetensors table from "
+                         "`moend calibrate`, or leave --table out to use the cached one")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    if args.chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tok(prompt, return_tensors="pt").input_ids
+    n_prompt = int(ids.shape[1])
+    plan, table, source = get_plan(args, model, tok, n_prompt + args.max_new_tokens)
+    prepare(model, plan, table=table)
+    if args.compile:
+        import moend_fx.backend  # noqa: F401  (registers the backend; the entry point finds it too)
+
+        model.compile(backend="moend", options={"plan": plan})
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=pad)
+    wall = time.perf_counter() - t0
+    new = out.sequences[0, n_prompt:]
+    print(tok.decode(new, skip_special_tokens=True).strip())
+    print("---")
+    cache = out.cache
+    tokens = int(cache.get_seq_length())
+    measured = int(cache.nbytes().total)
+    full16 = full_cache_bytes(model, tokens)
+    fullm = full_cache_bytes(model, tokens, dtype=None)
+    dtype = str(model.dtype).replace("torch.", "")
+    print(f"plan: {source}: {plan_summary(plan)}")
+    print(f"cache: {format_bytes(measured)} measured for {tokens} tokens; full cache {format_bytes(full16)} at 16 bits "
+          f"({full16 / measured:.1f}x smaller), {format_bytes(fullm)} in {dtype} ({fullm / measured:.1f}x)")
+    mode = "compiled with backend=moend, compilation included" if args.compile else "eager"
+    print(f"time: {len(new)} new tokens after a {n_prompt}-token prompt in {wall:.2f} s "
+          f"({len(new) / wall:.1f} tokens/s; {mode})")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate from a prompt with a compressed (and optionally compiled) cache",
+        description="Load the model, get a plan (--plan, or --budget solved on a table), prepare the model, "
+                    "optionally model.compile(backend='moend'), generate greedily; print the answer, the "
+                    "cache memory vs the full cache, and the time.")
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder (default %(default)s)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--plan", default=None, help="routing plan JSON (from `moend solve --out`)")
+    src.add_argument("--budget", default="14x",
+                     help="budget solved with greedy: a ratio of the 16-bit cache ('14x') or a size ('3MB'); "
+                          "default %(default)s")
+    p.add_argument("--table", default=None,
+                   help="sensitivity table for --budget (default: $MOEND_CACHE/tables/<model>-trig-2048."
+                        "safetensors, else a quick calibration)")
+    p.add_argument("--calib-tokens", type=int, default=1024,
+                   help="tokens of the quick calibration when no table exists (default %(default)s)")
+    p.add_argument("--compile", action="store_true", help="model.compile(backend='moend') before generating")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", default=None, help="the prompt text")
+    text.add_argument("--file", default=None, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate)
