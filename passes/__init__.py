@@ -1,1 +1,51 @@
-"""FX graph passes of the ``moend`` backend, importable as ``moend_fx.passes``."""
+"""FX graph passes of the ``moend`` backend, importable as ``moend_fx.passes``.
+
+Every pass has the signature ``pass_(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule`` and lives in
+its own file; its docstring says when it must not fire. :data:`PASSES` is the one place that fixes their order:
+
+1. :func:`find_attention`: tag every attention node with its layer index (changes nothing).
+2. :func:`validate_plan`: check the plan against the tagged nodes (changes nothing; needs a plan).
+3. :func:`fuse_quantized_attention`: ``dequantize -> cat -> SDPA`` becomes one ``moend.packed_attention`` node.
+
+:func:`run_passes` runs them, with :func:`cleanup` (dead code, lint, recompile) after each pass that edits the
+graph, and logs / dumps the graph before and after (``passes.debug``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from .cleanup import cleanup
+from .debug import dump_graph, log
+from .find_attention import find_attention
+from .fuse_quantized_attention import fuse_quantized_attention
+from .validate_plan import validate_plan
+
+Pass = Callable[[fx.GraphModule, Any], fx.GraphModule]
+
+PASSES: tuple[Pass, ...] = (
+    find_attention,
+    validate_plan,
+    fuse_quantized_attention,
+)
+# Passes that only read the graph skip the clean-up (recompiling costs time on big graphs).
+_READ_ONLY: frozenset[Pass] = frozenset({find_attention, validate_plan})
+
+
+def run_passes(gm: fx.GraphModule, settings: Any, passes: tuple[Pass, ...] = PASSES) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``; returns the rewritten graph module."""
+    debug_dir = getattr(settings, "debug_dir", None)
+    dump_graph(gm, "before", debug_dir)
+    for pass_ in passes:
+        gm = pass_(gm, settings)
+        if pass_ not in _READ_ONLY:
+            gm = cleanup(gm)
+        log.debug("moend: ran pass %s", pass_.__name__)
+    dump_graph(gm, "after", debug_dir)
+    return gm
+
+
+__all__ = ["PASSES", "cleanup", "find_attention", "fuse_quantized_attention", "run_passes", "validate_plan"]
