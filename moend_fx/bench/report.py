@@ -36,6 +36,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "Long-context accuracy of each method at matched measured cache memory."),
     SectionSpec("solvers", "Solvers: speed and optimality gaps", "moend bench solvers",
                 "Predicted loss of each solver against the exact optimum, and solve times."),
+    SectionSpec("proxy", "Calibration proxy vs end-to-end KL", "moend bench proxy",
+                "Does the sensitivity table predict quality? Predicted loss (sum of S over layers) against the "
+                "measured KL of next-token distributions vs the full cache, and the per-layer spread of S."),
     SectionSpec("calibrate", "Calibration time", "moend bench calibrate",
                 "Wall time to measure the sensitivity table S[layer, config]."),
     SectionSpec("kernels", "Decode attention kernels", "moend bench kernels",

@@ -92,6 +92,27 @@ def bench_calibrate_section(model_name: str, *, tokens: int = 2048, sequences: i
     return md, files
 
 
+# --------------------------------------------------------------------------------------------- proxy
+
+
+def bench_proxy_section(model_name: str, table_path: str | os.PathLike, settings: Any, *,
+                        out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
+    """Wrap :func:`moend_fx.eval.proxy.validate_proxy` (held-out KL vs the table's predicted loss)."""
+    from moend_fx.eval.proxy import markdown_report, validate_proxy, write_report
+    from moend_fx.models import load_model
+    from moend_fx.sensitivity import SensitivityTable
+
+    table_path = Path(table_path)
+    if not table_path.is_file():
+        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
+                         "--table PATH")
+    table = SensitivityTable.load(table_path)
+    model, tok = load_model(model_name)
+    result = validate_proxy(model, tok, table, settings, progress=progress)
+    j, m = write_report(result, out)
+    return markdown_report(result), {"json": j, "markdown": m}
+
+
 # --------------------------------------------------------------------------------------------- kernels
 
 

@@ -28,6 +28,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "kernels": ["--lengths", "2048,8192,32768", "--runs", "20"],
     "decode": [],
     "eval": [],
+    "proxy": [],
 }
 QUICK_ARGS: dict[str, list[str]] = {
     "solvers": ["--repeats", "5"],
@@ -35,6 +36,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "kernels": ["--lengths", "2048,8192", "--runs", "5"],
     "decode": ["--lengths", "512,1024", "--steps", "4", "--warmup", "1", "--methods", "full_eager,moend_eager"],
     "eval": ["--n", "2", "--lengths", "1024"],
+    "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
 }
 
 
@@ -181,6 +183,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_proxy_section, default_table_path
+    from moend_fx.eval.proxy import ProxySettings
+
+    _threads(args)
+    settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, random_plans=args.plans)
+    table = args.table or str(default_table_path(args.model))
+    md, files = bench_proxy_section(args.model, table, settings, out=Path(args.out) / "proxy",
+                                    progress=not args.no_progress)
+    print(md)
+    _finish(args, "proxy", md, files)
+    return 0
+
+
 def cmd_all(args: argparse.Namespace) -> int:
     from moend_fx.cli import build_parser
 
@@ -241,7 +257,7 @@ def _common(p: argparse.ArgumentParser, *, threads: bool = True) -> None:
 def register(subparsers: Any) -> None:
     from moend_fx.bench.decode import DEFAULT_BANDWIDTH_GBS, METHODS
 
-    b = subparsers.add_parser("bench", help="benchmarks: decode, solvers, calibrate, kernels, eval, all",
+    b = subparsers.add_parser("bench", help="benchmarks: decode, eval, solvers, proxy, calibrate, kernels, all",
                               description="Each benchmark writes JSON + Markdown (+ PNG) under --out and "
                                           "updates its section of docs/results.md.")
     sub = b.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=type(b))
@@ -305,6 +321,15 @@ def register(subparsers: Any) -> None:
     e.add_argument("--max-new-tokens", type=_positive, default=24)
     _common(e)
     e.set_defaults(func=cmd_eval, _parser=e)
+
+    x = sub.add_parser("proxy", help="validate the calibration proxy against end-to-end KL on held-out text")
+    x.add_argument("--model", default="smollm2-135m")
+    x.add_argument("--table", default=None, help="table (default $MOEND_CACHE/tables/<model>-trig-2048.safetensors)")
+    x.add_argument("--sequences", type=_positive, default=8, help="held-out sequences (default %(default)s)")
+    x.add_argument("--tokens", type=_positive, default=2048, help="context tokens each (default %(default)s)")
+    x.add_argument("--plans", type=_positive, default=24, help="random plans (default %(default)s)")
+    _common(x)
+    x.set_defaults(func=cmd_proxy, _parser=x)
 
     a = sub.add_parser("all", help="run every benchmark and rewrite docs/results.md",
                        description="Runs " + ", ".join(KEYS) + " with modest defaults (--quick: smaller).")
