@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moend_fx.errors import MoendError
-from moend_fx.io import atomic_write_text
+from moend_fx.io import atomic_write_bytes, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,18 @@ def existing_blocks(doc_text: str) -> dict[str, str]:
     return {m.group("key"): m.group("body") for m in _BLOCK.finditer(doc_text)}
 
 
+def _publish_image(png: Path, doc: Path, key: str) -> str:
+    """Copy a plot next to the document (``img/<key>-<name>``; results folders are not committed) and return
+    its link relative to the document."""
+    dest = doc.parent / "img" / f"{key}-{png.name}"
+    if png.resolve() != dest.resolve():
+        atomic_write_bytes(dest, png.read_bytes())
+    return os.path.relpath(dest, doc.parent)
+
+
 def render_results(results_dir: str | os.PathLike, doc_path: str | os.PathLike) -> Path:
     """Rewrite ``doc_path`` from the sections stored in ``results_dir`` (keeping the document's own blocks for
-    benchmarks with no stored section). Image links are made relative to the document's folder."""
+    benchmarks with no stored section). Plots are copied to ``img/`` beside the document."""
     doc = Path(doc_path)
     old = existing_blocks(doc.read_text()) if doc.is_file() else {}
     d = section_dir(results_dir)
@@ -116,7 +125,7 @@ def render_results(results_dir: str | os.PathLike, doc_path: str | os.PathLike) 
         md_path, meta_path = d / f"{spec.key}.md", d / f"{spec.key}.json"
         if md_path.is_file() and meta_path.is_file():
             meta = json.loads(meta_path.read_text())
-            images = [os.path.relpath(Path(p).resolve(), doc.parent.resolve())
+            images = [_publish_image(Path(p), doc, spec.key)
                       for k, p in meta.get("files", {}).items() if str(p).endswith(".png") and Path(p).is_file()]
             body = section_block(spec.key, meta["command"], md_path.read_text(), written=meta.get("written"),
                                  images=images)

@@ -153,7 +153,9 @@ def test_render_results_keeps_old_sections_and_orders_them(tmp_path):
     assert list(blocks) == list(KEYS)  # every section present, in the template's order
     assert "moend bench decode --out results" in blocks["decode"]
     assert "| 1 | 2 |" in blocks["decode"]
-    assert "](../results/decode/decode.png)" in blocks["decode"]  # image link relative to docs/
+    # plots are copied beside the document (results folders are not committed) and linked relatively
+    assert "](img/decode-decode.png)" in blocks["decode"]
+    assert (doc.parent / "img" / "decode-decode.png").read_bytes() == png.read_bytes()
     assert "Not run yet" in blocks["solvers"] and "moend bench solvers" in blocks["solvers"]
 
     # A later run with a fresh results folder that re-ran only the solvers keeps the old decode section.
