@@ -59,7 +59,9 @@ def command_line(args: argparse.Namespace) -> str:
     parser: argparse.ArgumentParser = args._parser
     words = ["moend", "bench", args.bench]
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help",) or action.dest.startswith("_"):
+        # --doc and --no-progress change where results are published and what is printed, not the figures.
+        if (not action.option_strings or action.dest in ("help", "doc", "no_progress")
+                or action.dest.startswith("_")):
             continue
         value = getattr(args, action.dest, None)
         if action.dest not in ("out",) and value == action.default:
