@@ -1,0 +1,113 @@
+"""``moend eval``: run the long-context evaluation harness and write JSON + Markdown + PNG results.
+
+    moend eval --model smollm2-135m --tasks passkey,niah_multikey --lengths 2048,4096 --n 30 \\
+        --budgets 4x,8x,14x --methods full,1d,2d_uniform,2d,pyramid,2d_hetero,2d_hetero_exact \\
+        --settings query_aware,query_agnostic --table TABLE.safetensors --out results/run1
+
+Records are saved after every example (``records.jsonl``), so an interrupted run resumes where it stopped
+(``--no-resume`` starts over). See ``docs/evaluation.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moend_fx.errors import MoendError
+
+DEFAULT_TABLE_NAME = "{model}-trig-2048.safetensors"
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in _csv(text))
+    except ValueError:
+        raise MoendError(f"--lengths {text!r} must be comma-separated integers (e.g. 2048,4096)") from None
+
+
+_ints.__name__ = "comma-separated integers"  # argparse names the type in its error message
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from moend_fx.eval.methods import DEFAULT_METHODS, METHODS
+    from moend_fx.eval.tasks import SETTINGS, TASKS
+
+    p = subparsers.add_parser(
+        "eval", help="long-context accuracy of compression methods at matched measured memory",
+        description="Prefill each example once at full precision, compress a copy per method and budget, "
+                    "decode greedily, score by string match; write results.{json,md,png}.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder (default %(default)s)")
+    p.add_argument("--table", default=None,
+                   help="sensitivity table (.safetensors); default $MOEND_CACHE/tables/" + DEFAULT_TABLE_NAME)
+    p.add_argument("--tasks", type=_csv, default=("passkey",), help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--lengths", type=_ints, default=(2048,), help="prompt lengths in tokens (default 2048)")
+    p.add_argument("--n", type=int, default=30, help="examples per task and length (default %(default)s)")
+    p.add_argument("--budgets", type=_csv, default=("4x", "8x", "14x"),
+                   help="ratios of the 16-bit cache ('14x') or sizes ('3.3MB'); default 4x,8x,14x")
+    p.add_argument("--methods", type=_csv, default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--settings", type=_csv, default=SETTINGS, help=f"comma list of {', '.join(SETTINGS)}")
+    p.add_argument("--scorer", default=None,
+                   help="override the plan's eviction scorer for every MoENDCache method (trig, snapkv, h2o, ...)")
+    p.add_argument("--window-stats", action="store_true",
+                   help="trig: estimate query statistics from the last 32 queries instead of the table's")
+    p.add_argument("--continuation", type=int, default=0, metavar="N",
+                   help="also measure teacher-forced continuation KL / loss on N held-out sequences per length")
+    p.add_argument("--continuation-tokens", type=int, default=128, help="tokens fed after the context (default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", required=True, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
+    p.add_argument("--no-resume", action="store_true", help="ignore records.jsonl already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def default_table_path(model: str) -> Path:
+    from moend_fx.models import cache_root
+
+    return cache_root() / "tables" / DEFAULT_TABLE_NAME.format(model=Path(model).name.lower())
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moend_fx.eval.report import write_report
+    from moend_fx.eval.runner import EvalConfig, Runner
+    from moend_fx.models import load_model
+    from moend_fx.sensitivity import SensitivityTable
+
+    cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
+                     settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                     scorer=args.scorer, calibrated_stats=not args.window_stats)
+    table_path = Path(args.table) if args.table else default_table_path(args.model)
+    if not table_path.is_file():
+        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
+                         "--table PATH")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = SensitivityTable.load(table_path)
+    model, tokenizer = load_model(args.model)
+    runner = Runner(model, tokenizer, table, cfg, progress=not args.no_progress)
+    for name, why in runner.skipped.items():
+        print(f"moend eval: skipping {name}: {why}")
+    result = runner.run(args.out, resume=not args.no_resume)
+    cont = []
+    if args.continuation > 0:
+        from moend_fx.calib_data import token_sequences
+        from moend_fx.eval.runner import continuation_eval
+
+        for length in cfg.lengths:
+            ids, _ = token_sequences(model, tokenizer, args.continuation, length + args.continuation_tokens,
+                                     seed=args.seed, split="heldout")
+            cont += continuation_eval(model, table, ids, length, methods=runner.methods, budgets=cfg.budgets,
+                                      window=cfg.window, progress=not args.no_progress)
+    meta = dict(result.meta, table_path=str(table_path), model_name=args.model)
+    paths = write_report(result.records, args.out, meta=meta, plans=result.plans, continuation=cont)
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0

@@ -1,0 +1,265 @@
+"""The methods an evaluation compares, and how each turns one full-precision prefill into its own cache.
+
+Every example is prefilled once at full precision (SDPA); :class:`PrefillState` keeps that prefill's K/V
+(per layer [B, Hkv, T, D], post-RoPE) and the last ``W`` post-RoPE queries of each layer (for scorers
+that estimate query statistics). Each method then builds its cache from the *same* state:
+
+* ``full``: a ``DynamicCache`` holding the K/V as they are (the model's dtype).
+* ``hf_quant4`` / ``hf_fp8``: transformers' ``QuantizedCache`` (quanto 4-bit, group 64; fp8 per tensor),
+  fed the prefill K/V exactly as its own ``update`` would be during a prefill. ``hf_quant4`` needs
+  optimum-quanto; when it is absent the method is reported unavailable (never silently dropped).
+* ``1d``, ``2d_uniform``, ``2d``, ``pyramid``, ``2d_hetero`` (greedy), ``2d_hetero_exact`` (exact) and
+  ``lossless``: a :class:`~moend_fx.cache.MoENDCache` whose plan comes from the solver of the same family
+  on the calibrated table, solved for the example's own context length (:class:`PlanBook` caches plans
+  per (method, budget, length)).
+
+The state tensors are never modified: every cache update in transformers and in ``PackedKV`` concatenates
+into new tensors, so handing the same tensors to several caches is a copy-free "copy" of the prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moend_fx.cache import MoENDCache
+from moend_fx.errors import BudgetError, MoendError
+from moend_fx.memory import parse_budget
+from moend_fx.plan import LayerConfig, RoutingPlan
+from moend_fx.sensitivity import SensitivityTable
+from moend_fx.solvers import get_solver
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row family of the results table.
+
+    kind: "full" (DynamicCache), "hf" (transformers QuantizedCache) or "moend" (MoENDCache + solver plan).
+    solver / solver_options: the plan's solver (moend only). budgeted: runs once per budget (else once).
+    """
+
+    name: str
+    kind: str
+    description: str
+    solver: str | None = None
+    solver_options: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
+    hf_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def budgeted(self) -> bool:
+        return self.kind == "moend" and self.name != "lossless"
+
+
+METHODS: dict[str, MethodSpec] = {m.name: m for m in (
+    MethodSpec("full", "full", "uncompressed DynamicCache (model dtype)"),
+    MethodSpec("hf_quant4", "hf", "transformers QuantizedCache, quanto 4-bit, group 64, residual 128",
+               backend="quanto", hf_options=dict(nbits=4, q_group_size=64, residual_length=128)),
+    MethodSpec("hf_fp8", "hf", "transformers QuantizedCache, fp8 e4m3 per tensor (no extra package)",
+               backend="fp8"),
+    MethodSpec("lossless", "moend", "MoENDCache, keep 1.0 and 16/16 bits on every layer (sanity row)"),
+    MethodSpec("1d", "moend", "uniform eviction, 16/16 bits (best keep ratio that fits)", solver="1d"),
+    MethodSpec("2d_uniform", "moend", "uniform eviction + uniform K/V bits (best pair that fits)",
+               solver="2d_uniform"),
+    MethodSpec("2d", "moend", "uniform eviction, per-layer bits (exact over bits)", solver="2d"),
+    MethodSpec("pyramid", "moend", "PyramidKV-style linear keep schedule, best uniform bit pair",
+               solver="pyramid"),
+    MethodSpec("2d_hetero", "moend", "MoE-nD: per-layer eviction and bits, greedy plan", solver="greedy"),
+    MethodSpec("2d_hetero_exact", "moend", "MoE-nD: per-layer eviction and bits, exact plan", solver="exact"),
+)}
+
+DEFAULT_METHODS = ("full", "hf_quant4", "hf_fp8", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero",
+                   "2d_hetero_exact")
+
+
+def hf_backend_available(backend: str) -> bool:
+    """Whether transformers can build a QuantizedCache with ``backend`` in this environment."""
+    from transformers.utils import is_hqq_available, is_optimum_quanto_available
+
+    return {"quanto": is_optimum_quanto_available, "hqq": is_hqq_available}.get(backend, lambda: True)()
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why method ``name`` cannot run here (None if it can)."""
+    spec = METHODS[name]
+    if spec.kind == "hf" and not hf_backend_available(spec.backend):
+        return (f"{name} needs the '{spec.backend}' backend of transformers' QuantizedCache "
+                f"(package optimum-quanto), which is not installed in this environment")
+    return None
+
+
+def check_methods(names: Sequence[str], *, skip_unavailable: bool = True) -> tuple[list[str], dict[str, str]]:
+    """(runnable method names, {skipped name: reason}). Unknown names raise MoendError."""
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
+    if not names:
+        raise MoendError(f"no methods given; allowed: {', '.join(METHODS)}")
+    run, skipped = [], {}
+    for n in dict.fromkeys(names):
+        why = unavailable_reason(n)
+        if why is None:
+            run.append(n)
+        elif skip_unavailable:
+            skipped[n] = why
+        else:
+            raise MoendError(why)
+    return run, skipped
+
+
+# --------------------------------------------------------------------------------------------- prefill state
+
+
+@dataclass
+class PrefillState:
+    """A full-precision prefill: kv[l] = (K, V) [B, Hkv, T, D] post-RoPE; queries[l] = [B, H, W, D] post-RoPE
+    (the last W queries of layer l, W <= window); length = T."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    queries: list[torch.Tensor | None]
+    length: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.kv for t in kv)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor reachable in ``obj`` (tensors, tensor subclasses such as quanto's, tuples,
+    lists, dicts). A tensor subclass is measured through its inner tensors (``__tensor_flatten__``)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            names, _ = flatten()
+            return sum(tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x) for x in obj.values())
+    return 0
+
+
+_LAYER_FIELDS = ("keys", "values", "_quantized_keys", "_quantized_values")
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Measured bytes of a cache's stored K/V: MoENDCache via its own ``nbytes()``; HF caches by walking the
+    stored tensors of every layer (residual windows included)."""
+    if isinstance(cache, MoENDCache):
+        return cache.nbytes().total
+    return sum(tensor_bytes(getattr(layer, f, None)) for layer in cache.layers for f in _LAYER_FIELDS)
+
+
+# --------------------------------------------------------------------------------------------- caches
+
+
+def lossless_plan(table: SensitivityTable, context_length: int) -> RoutingPlan:
+    """keep 1.0, 16/16 bits on every layer (MoENDCache must then match the full cache)."""
+    return RoutingPlan.uniform(LayerConfig(1.0, 16, 16), table.fingerprint, context_length, grid=table.grid,
+                               group_size=table.group_size, scorer=str(table.calibration.get("scorer", "trig")),
+                               solver="lossless")
+
+
+def moend_from_prefill(plan: RoutingPlan, state: PrefillState, **cache_kw: Any) -> MoENDCache:
+    """A MoENDCache holding ``state`` compressed by ``plan``, as if the prefill had run through it.
+
+    Each layer is staged with the prefill K/V and finished with the recorded query window, which runs the
+    layer's own eviction (its scorer, sinks, recent window) and quantization: the same code path as a
+    prefill through the "moend" attention function, minus the attention itself (already computed).
+    cache_kw: MoENDCache options (rope, query_stats, window, scorer, ...).
+    """
+    cache = MoENDCache(plan, **cache_kw)
+    if len(cache.layers) != len(state.kv):
+        raise MoendError(f"plan has {len(cache.layers)} layers but the prefill state {len(state.kv)}")
+    for layer, (k, v), q in zip(cache.layers, state.kv, state.queries):
+        layer.lazy_initialization(k, v)
+        layer.logical = k.shape[2]
+        layer._staged, layer._pending = (k, v), "prefill"
+        if q is None:  # no recorded queries: scorers that need them must not be used
+            b, hkv, _, d = k.shape
+            q = k.new_zeros(b, hkv, 0, d)
+        layer.finish_prefill(q, None, None)
+    return cache
+
+
+def build_cache(spec: MethodSpec, state: PrefillState, *, model: Any, plan: RoutingPlan | None = None,
+                **moend_kw: Any) -> Any:
+    """The cache of method ``spec`` holding ``state`` (compressed as the method prescribes)."""
+    from transformers import DynamicCache, QuantizedCache
+
+    if spec.kind == "moend":
+        if plan is None:
+            raise MoendError(f"method {spec.name} needs a plan")
+        return moend_from_prefill(plan, state, **moend_kw)
+    if spec.kind == "full":
+        cache = DynamicCache(config=model.config)
+    elif spec.kind == "hf":
+        cache = QuantizedCache(spec.backend, model.config, **spec.hf_options)
+    else:
+        raise MoendError(f"method kind {spec.kind!r} is unknown; allowed: full, hf, moend")
+    for layer, (k, v) in zip(cache.layers, state.kv):
+        layer.update(k, v)
+    return cache
+
+
+# --------------------------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """A solved plan (or why none fits): plan None and ``infeasible`` set when the budget is too small."""
+
+    plan: RoutingPlan | None
+    budget_bytes: int | None
+    predicted_loss: float | None = None
+    solve_s: float = 0.0
+    infeasible: str | None = None
+
+
+class PlanBook:
+    """Plans from the calibrated table, solved once per (method, budget, context length) and cached."""
+
+    def __init__(self, table: SensitivityTable) -> None:
+        self.table = table
+        self._plans: dict[tuple[str, str, int], PlanEntry] = {}
+
+    def get(self, method: str, budget: str | None, context_length: int) -> PlanEntry:
+        key = (method, str(budget), int(context_length))
+        if key not in self._plans:
+            self._plans[key] = self._solve(METHODS[method], budget, int(context_length))
+        return self._plans[key]
+
+    def _solve(self, spec: MethodSpec, budget: str | None, length: int) -> PlanEntry:
+        if spec.name == "lossless":
+            return PlanEntry(lossless_plan(self.table, length), None)
+        parsed = parse_budget(budget, self.table.fingerprint, length)
+        if spec.solver == "pyramid":
+            return self._best_pyramid(parsed.bytes, budget, length)
+        try:
+            res = get_solver(spec.solver, **spec.solver_options).solve(self.table, budget, context_length=length)
+        except BudgetError as e:
+            return PlanEntry(None, parsed.bytes, infeasible=str(e))
+        return PlanEntry(res.plan, parsed.bytes, res.predicted_loss, res.wall_time_s)
+
+    def _best_pyramid(self, budget_bytes: int, budget: str, length: int) -> PlanEntry:
+        """PyramidSolver at every (K, V) bit pair of the grid; the lowest predicted loss that fits (the
+        strongest member of the family, like the other uniform baselines)."""
+        best, why = None, None
+        for kb in self.table.grid.k_bits:
+            for vb in self.table.grid.v_bits:
+                try:
+                    res = get_solver("pyramid", k_bits=kb, v_bits=vb).solve(self.table, budget,
+                                                                            context_length=length)
+                except BudgetError as e:
+                    why = why or str(e)
+                    continue
+                if best is None or (res.predicted_loss, res.bytes_used) < (best.predicted_loss, best.bytes_used):
+                    best = res
+        if best is None:
+            return PlanEntry(None, budget_bytes, infeasible=why)
+        return PlanEntry(best.plan, budget_bytes, best.predicted_loss, best.wall_time_s)
