@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
 from moend_fx.calibrate import calibrate
-from moend_fx.graph_attention import packed_layer_attention
 from moend_fx.models import load_model, tiny_model
 from moend_fx.prepare import prepare
 from moend_fx.sensitivity import SensitivityTable
@@ -85,9 +83,10 @@ def main() -> None:
     plan = get_solver("greedy").solve(table, args.budget, context_length=context).plan
     print("plan:", ", ".join(f"L{i}={c.name}" for i, c in enumerate(plan.layers)))
 
-    # prepare: generate() now builds a MoENDCache for this plan; the cache's attention function is
-    # packed_layer_attention, the traceable form that the backend's fusion pass recognises.
-    prepare(model, plan, table=table, attention_fn=packed_layer_attention)
+    # prepare: generate() now builds a MoENDCache for this plan (its default attention function is
+    # packed_layer_attention, the traceable form that the backend's fusion pass recognises), runs the prefill
+    # eagerly and the cache's eviction between decode steps, outside the compiled graph.
+    prepare(model, plan, table=table)
 
     if tokenizer is not None:
         text = "The quick brown fox jumps over the lazy dog. " * (args.prompt_tokens // 10 + 1)
@@ -106,12 +105,9 @@ def main() -> None:
     logging.getLogger("moend_fx.passes").setLevel(logging.INFO)
     counters.clear()
     # NOT torch.compile(model).generate(...): that compiles nothing (see the module docstring).
-    # require_all_layers=False: evicting layers still break the graph at their eviction code (see docs/compile.md).
-    options = {"plan": plan, "inner": args.inner, "kernel": args.kernel, "require_all_layers": False}
-    model.compile(backend="moend", options=options)
-    # Without size-oblivious reasoning dynamo specialises every cache length that is 0 or 1 (the residual window
-    # right after a flush) and compiles extra graphs for them.
-    fx_config.backed_size_oblivious = True
+    # fullgraph=True: a decode step is one graph (eviction and group flushes run between steps, eagerly).
+    options = {"plan": plan, "inner": args.inner, "kernel": args.kernel}
+    model.compile(backend="moend", options=options, fullgraph=True)
     t0 = time.perf_counter()
     compiled = model.generate(ids, **gen)
     print(f"compiled (moend, inner={args.inner}): {time.perf_counter() - t0:.1f} s including compilation")

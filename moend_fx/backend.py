@@ -38,9 +38,10 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], settings: B
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     from torch._inductor.compile_fx import compile_fx
 
-    patches = None
-    if settings.mode is not None:
-        patches = torch._inductor.list_mode_options(settings.mode)
+    patches = dict(torch._inductor.list_mode_options(settings.mode)) if settings.mode is not None else {}
+    # Quantization rounds scales and zeros to fp16 before computing codes; by default inductor may skip that
+    # round trip, so a group flushed inside a compiled graph would get other codes than eager (measured here).
+    patches["emulate_precision_casts"] = True
     return compile_fx(gm, list(example_inputs), config_patches=patches)
 
 

@@ -74,8 +74,9 @@ class MoENDCache(Cache):
     (list or ``{layer: stats}``); without them ``trig`` estimates them from the last ``window`` queries.
     evict_every: decode steps between evictions; budget_mode: "ratio" (keep_ratio of the tokens seen) or
     "capacity" (at most ``keep_count(plan.context_length, keep_ratio)`` tokens per layer).
-    attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.reference_attention`), the
-    one function a fused backend swaps.
+    attention_fn: attention over a PackedKV (default :func:`moend_fx.graph_attention.packed_layer_attention`:
+    SDPA over the dequantized layer, the pattern the ``moend`` backend fuses; pass
+    :func:`moend_fx.attention.reference_attention` for the fp32 oracle), the one function a fused backend swaps.
     """
 
     def __init__(
@@ -103,17 +104,32 @@ class MoENDCache(Cache):
                                      attention_fn=attention_fn))
         super().__init__(layers=layers)
 
+    def before_step(self) -> None:
+        """Call outside the compiled region before each forward of a compiled model (``moend_fx.prepare``
+        does it for ``generate``): finishes the previous decode step's deferred eviction and marks the cache
+        tensors' token axis dynamic. Harmless for eager use."""
+        for layer in self.layers:
+            layer.before_step()
+
+    def settle(self) -> None:
+        """Finish any decode step whose eviction a compiled graph deferred (the readers below call it)."""
+        for layer in self.layers:
+            layer.settle()
+
     def held_tokens(self) -> list[int]:
         """Tokens each layer stores per (batch row, KV head)."""
+        self.settle()
         return [layer.held for layer in self.layers]
 
     def nbytes(self) -> CacheBytes:
         """Measured bytes of every stored tensor, per layer and in total (equals :meth:`model_bytes`)."""
+        self.settle()
         per = [layer.nbytes() for layer in self.layers]
         return CacheBytes(per, sum(per))
 
     def model_bytes(self) -> CacheBytes:
         """What the memory model (``moend_fx.memory.layer_bytes``) says the held tokens take."""
+        self.settle()
         fp = self.plan.fingerprint
         per = []
         for layer in self.layers:

@@ -8,11 +8,17 @@ to the attention function). The order inside one attention module is:
 
 1. ``update(k_new, v_new)``: a prefill on an empty layer is *staged* (held dense, returned as is so
    the attention function can run SDPA over it); otherwise the new tokens are appended to the
-   packed storage (residual window, full groups flushed) and returned unchanged.
+   packed storage and returned unchanged. The residual window then holds 1..G tokens: a group filled by
+   this step is quantized lazily (before the next append, or by ``settle`` / ``before_step``), so a
+   compiled decode step never branches on whether it fills a group.
 2. the attention function calls ``finish_prefill(q, mask)`` after SDPA on the staged K/V (evict +
    compress; the dense K/V are dropped), or ``attend(q, mask)`` for a chunk / decode step over the
-   packed storage (``attention_fn``, default :func:`moend_fx.attention.reference_attention`), which
-   then re-evicts when the policy says so.
+   packed storage (``attention_fn``, default :func:`moend_fx.graph_attention.packed_layer_attention`, the
+   form the ``moend`` compile backend fuses), which then re-evicts when the policy says so.
+
+Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction
+(plain eager code, ``moend_fx.eviction``) are deferred to :meth:`MoENDLayer.before_step`, which the cache runs
+before the next step, outside the graph (``moend_fx.prepare`` installs that hook on ``generate``).
 
 Lengths: ``get_seq_length`` / ``get_mask_sizes`` report the *logical* length (every token fed,
 padding included) since they drive position ids and mask sizes; ``held`` is what is stored.
@@ -22,56 +28,23 @@ Positions stored with evicting layers are logical slot indices (column indices o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from moend_fx.attention import reference_attention
 from moend_fx.errors import MoendError
-from moend_fx.memory import keep_count
+from moend_fx.eviction import BUDGET_MODES, Evicting, EvictionPolicy
+from moend_fx.graph_attention import packed_layer_attention
 from moend_fx.packed import PackedKV
 from moend_fx.plan import LayerConfig
 from moend_fx.quant import QuantizedTensor
-from moend_fx.scoring import Scorer, TrigScorer, select_tokens
+from moend_fx.scoring import Scorer, TrigScorer
 
-BUDGET_MODES = ("ratio", "capacity")
+__all__ = ["BUDGET_MODES", "EvictionPolicy", "MoENDLayer", "PackedAttention"]
+
 PackedAttention = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    """When and how far a layer evicts.
-
-    ratio: after the prompt (and after each prefill chunk) keep ``keep_count(seen, keep_ratio)``; during
-    decode re-evict to that every ``evict_every`` steps (in between the held count grows by < evict_every).
-    capacity: never hold more than ``cap`` tokens; when a new token would exceed it, evict down to
-    ``cap - slack`` (slack = min(evict_every - 1, cap // 2)) so eviction re-runs about every evict_every steps.
-    ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra tokens.
-    """
-
-    budget_mode: str = "ratio"
-    evict_every: int = 128
-    window: int = 32
-    sink_tokens: int = 4
-    recent_tokens: int = 32
-    cap: int | None = None  # capacity mode: keep_count(plan.context_length, keep_ratio)
-
-    def __post_init__(self) -> None:
-        if self.budget_mode not in BUDGET_MODES:
-            raise MoendError(f"budget_mode={self.budget_mode!r} is unknown; allowed: {list(BUDGET_MODES)}")
-        for name in ("evict_every", "window"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: an integer >= 1")
-        if self.budget_mode == "capacity" and (self.cap is None or self.cap < 1):
-            raise MoendError(f"capacity mode needs cap >= 1; got cap={self.cap!r}")
-
-    @property
-    def low_water(self) -> int:
-        assert self.cap is not None
-        return max(1, self.cap - min(self.evict_every - 1, self.cap // 2))
 
 
 def _index_batch(x: Any, index: torch.Tensor) -> Any:
@@ -90,7 +63,7 @@ def _needs_queries(scorer: Scorer | None) -> bool:
     return not (isinstance(scorer, TrigScorer) and scorer.stats is not None)
 
 
-class MoENDLayer(CacheLayerMixin):
+class MoENDLayer(Evicting, CacheLayerMixin):
     """Compressed K/V of one transformer layer (see the module docstring for the protocol)."""
 
     is_compileable = False
@@ -109,7 +82,7 @@ class MoENDLayer(CacheLayerMixin):
         if config.evicts and scorer is None:
             raise MoendError(f"layer {layer_idx} ({config.name}) evicts tokens, so it needs a scorer")
         self.scorer = scorer
-        self.attention_fn: PackedAttention = attention_fn or reference_attention
+        self.attention_fn: PackedAttention = attention_fn or packed_layer_attention
         self._clear()
 
     def _clear(self) -> None:
@@ -119,6 +92,9 @@ class MoENDLayer(CacheLayerMixin):
         self.logical = 0  # tokens fed so far (padding included): what HF sees as the sequence length
         self.decode_steps = 0
         self.evictions = 0
+        # A decode step that ran inside a compiled graph left its step count and eviction to before_step:
+        # (True, the step's bool mask [B, 1, 1, S] or None), else (False, None).
+        self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
         self._rope_offset: torch.Tensor | None = None  # [B] slot - RoPE position (left padding)
         # Scorer scratch (not part of the cache's bytes): last W post-RoPE queries, their slots and RoPE positions.
         self._q_win: torch.Tensor | None = None  # [B, H, W, D]
@@ -141,6 +117,8 @@ class MoENDLayer(CacheLayerMixin):
                 f"function (attn_implementation is {self._attn_hint()}); call moend_fx.prepare(model, plan) or "
                 "model.set_attn_implementation('moend') before using MoENDCache"
             )
+        if self._deferred[0]:
+            self._finish_deferred()  # nobody called before_step: do it now (a graph break when compiled)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         attn_kwargs = kwargs.get("kwargs")
@@ -157,7 +135,9 @@ class MoENDLayer(CacheLayerMixin):
             b, h = key_states.shape[:2]
             pos = torch.arange(start, start + n_new, device=key_states.device, dtype=torch.int32)
             pos = pos.expand(b, h, n_new)
-        self.packed = self.packed.append(key_states, value_states, pos)
+        # keep_full: a group filled by this step is quantized before the next one (flush in before_step), so a
+        # compiled decode step has one code path whatever the residual length.
+        self.packed = self.packed.append(key_states, value_states, pos, keep_full=True)
         self._pending = "packed"
         return key_states, value_states
 
@@ -191,6 +171,7 @@ class MoENDLayer(CacheLayerMixin):
         idx = torch.as_tensor(indices, device=self.device).long()
         if self._pending is not None:
             raise MoendError("cannot reorder the cache between an update and its attention")
+        self.settle()  # a deferred eviction uses the step's mask, whose rows are in the old order
         if self.packed is not None:
             p = self.packed
             self.packed = replace(
@@ -223,6 +204,7 @@ class MoENDLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes stored (packed codes, scales, residual, positions); staged dense K/V while mid-prefill."""
+        self.settle()
         if self._staged is not None:
             return sum(t.numel() * t.element_size() for t in self._staged)
         return 0 if self.packed is None else self.packed.nbytes()
@@ -309,9 +291,50 @@ class MoENDLayer(CacheLayerMixin):
             held_mask = self._gather_mask(lmask, query.shape[1])
         out = self.attention_fn(query, self.packed, scale=scale, causal_chunk=True, mask=held_mask)
         self._track(query, position_ids)
+        if n_q == 1 and torch.compiler.is_compiling():
+            # Counting and evicting read Python ints and data-dependent sizes: left to before_step, outside
+            # the graph, so the compiled decode step stays one graph with no guard on the step count.
+            self._deferred = (True, lmask)
+            return out
         if n_q == 1:
             self.decode_steps += 1
         self._maybe_evict(lmask, chunk=n_q > 1)
+        return out
+
+    def before_step(self) -> None:
+        """Run outside any compiled region before a forward: finish a deferred decode step (count it, evict
+        when due), then mark the token axis (dim 2) of every stored tensor dynamic so that a growing cache does
+        not recompile the decode graph once per new size."""
+        self.settle()
+        for t in self.stored_tensors():
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+
+    def settle(self) -> None:
+        """Between steps (eager code, never traced): finish a decode step deferred by a compiled graph, then flush
+        a full residual window, so the storage is what ``memory.layer_bytes`` counts for the held tokens."""
+        if self._deferred[0]:
+            self._finish_deferred()
+        if self._pending is None and self.packed is not None:
+            self.packed = self.packed.flush()
+
+    @torch.compiler.disable
+    def _finish_deferred(self) -> None:
+        _, lmask = self._deferred
+        self._deferred = (False, None)
+        self.decode_steps += 1
+        self._maybe_evict(lmask, chunk=False)
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's fields and the scorer's
+        query window."""
+        out: list[torch.Tensor] = []
+        p = self.packed
+        if p is not None:
+            for block in (p.k_packed, p.v_packed):
+                out += [block] if isinstance(block, torch.Tensor) else [block.codes, block.scale, block.zero]
+            out += [p.k_res, p.v_res] + ([p.positions] if p.positions is not None else [])
+        if self._q_win is not None:
+            out.append(self._q_win)
         return out
 
     def _gather_mask(self, lmask: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -324,137 +347,3 @@ class MoENDLayer(CacheLayerMixin):
         cols = p.positions.long()[:, :, None, :].expand(b, hkv, l_q, n)
         m = lmask.expand(b, hkv, l_q, lmask.shape[-1]).gather(3, cols)  # [B, Hkv, L, n]
         return m.repeat_interleave(num_heads // hkv, dim=1)
-
-    # ------------------------------------------------------------------ eviction
-    def _targets(
-        self, n: int, real_seen: torch.Tensor, real_held: torch.Tensor, chunk: bool
-    ) -> torch.Tensor | None:
-        """Per-row tokens to keep [B] out of the ``n`` held, or None when no eviction is due."""
-        pol = self.policy
-        if pol.budget_mode == "ratio":
-            if not chunk and self.decode_steps % pol.evict_every:
-                return None
-            t = torch.tensor([keep_count(int(s), self.config.keep_ratio) for s in real_seen.tolist()])
-        else:
-            if n <= pol.cap:
-                return None
-            t = torch.full_like(real_seen.cpu(), pol.low_water)
-        t = torch.minimum(t, real_held.cpu())
-        if int(t.max()) >= n:
-            return None
-        return t
-
-    def _maybe_evict(
-        self, lmask: torch.Tensor | None, chunk: bool,
-        dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    ) -> None:
-        """Evict when the policy says so. ``dense``: (k, v, positions) of a prompt not yet compressed; the
-        layer's PackedKV is then built from it (evicted or not)."""
-        if dense is not None:
-            k, v, pos32 = dense
-            n = k.shape[2]
-        elif self.packed is None:
-            return
-        else:
-            k = v = None
-            pos32, n = self.packed.positions, self.packed.num_tokens
-        if not self.config.evicts:
-            cap = self.policy.cap
-            if self.policy.budget_mode == "capacity" and cap is not None and n > cap:
-                raise MoendError(
-                    f"layer {self.layer_idx} ({self.config.name}) keeps every token and now holds {n} > "
-                    f"its capacity {cap} (the plan's context_length): it cannot evict without positions, which "
-                    "the plan did not budget. Use budget_mode='ratio', or a plan with a larger context_length"
-                )
-            if dense is not None:
-                self.packed = PackedKV.from_dense(k, v, self.config, self.group_size, pos32)
-            return
-        b, hkv, _ = pos32.shape
-        pos = pos32.long()
-        valid = last = None
-        if lmask is not None:
-            last = lmask[:, 0, -1, :]  # [B, S]: the newest query (always real) sees every real token
-            real_seen = last.sum(-1)
-            valid = last.gather(1, pos.reshape(b, -1)).reshape(b, hkv, n)
-            if bool(valid.all()):
-                valid = None
-        else:
-            real_seen = torch.full((b,), self.logical, dtype=torch.long)
-        real_held = torch.full((b,), n, dtype=torch.long) if valid is None else valid[:, 0].sum(-1)
-        targets = self._targets(n, real_seen, real_held, chunk)
-        if targets is None:
-            if dense is not None:
-                self.packed = PackedKV.from_dense(k, v, self.config, self.group_size, pos32)
-            return
-        if dense is None:
-            k, v = self.packed.dequantize()
-        rope_pos = (pos - self._rope_offset.to(pos.device)[:, None, None]).clamp_min(0)
-        if valid is None and bool((targets == targets[0]).all()):
-            idx = self._select(k, v, pos, rope_pos, int(targets[0]))
-            new_pos = pos.gather(2, idx)
-            gidx = idx[..., None].expand(-1, -1, -1, k.shape[-1])
-            k_sel, v_sel = k.gather(2, gidx), v.gather(2, gidx)
-        else:
-            k_sel, v_sel, new_pos = self._evict_rows(k, v, pos, rope_pos, valid, last, targets)
-        self.packed = PackedKV.from_dense(k_sel, v_sel, self.config, self.group_size, new_pos)
-        self.evictions += 1
-
-    def _select(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor, n_keep: int,
-        row: int | None = None, q_keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Indices [b, Hkv, n_keep] of the tokens to keep among k, v: [b, Hkv, n, D] (b = 1 when ``row``).
-
-        q_keep: [W] bool, which window queries of ``row`` are real tokens (None = all)."""
-        q = qpos = None
-        if self._q_win is not None:
-            q, qpos = self._q_win, self._q_pos
-            if row is not None:
-                q, qpos = q[row : row + 1], qpos[row : row + 1]
-            if q_keep is not None:
-                q, qpos = q[:, :, q_keep], qpos[:, q_keep]
-        scores = self.scorer.score(k, v, queries=q, key_positions=rope_pos, query_positions=qpos)
-        idx, _ = select_tokens(scores, n_keep, sink_tokens=self.policy.sink_tokens,
-                               recent_tokens=self.policy.recent_tokens, key_positions=pos)
-        return idx
-
-    def _evict_rows(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
-        valid: torch.Tensor | None, last: torch.Tensor | None, targets: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Evict row by row over each row's real tokens only, so a padded row keeps exactly what it would keep
-        alone; rows short of the common length are topped up with masked filler tokens (zeros placed at a
-        padding slot of that row, so the gathered mask hides them)."""
-        b, hkv, n_held, d = k.shape
-        n = int(targets.max())
-        ks, vs, ps = [], [], []
-        for r in range(b):
-            if valid is None:
-                real = torch.arange(n_held, device=k.device)
-            else:
-                real = valid[r, 0].nonzero().squeeze(-1)  # pads sit at the same slots in every KV head
-            q_keep = None
-            if self._q_slots is not None and last is not None:
-                q_keep = last[r].gather(0, self._q_slots.to(last.device))
-            pads = (~last[r]).nonzero() if last is not None else last
-            n_r = int(targets[r]) if pads is not None and len(pads) else n
-            idx = self._select(k[r : r + 1, :, real], v[r : r + 1, :, real], pos[r : r + 1, :, real],
-                               rope_pos[r : r + 1, :, real], n_r, r, q_keep)
-            idx = real[idx]  # [1, Hkv, n_r] into the held tokens
-            kr = k[r : r + 1].gather(2, idx[..., None].expand(-1, -1, -1, d))
-            vr = v[r : r + 1].gather(2, idx[..., None].expand(-1, -1, -1, d))
-            pr = pos[r : r + 1].gather(2, idx)
-            if n_r < n:
-                pad_slot = int(pads[0])
-                fill = n - n_r
-                kr = torch.cat([k.new_zeros(1, hkv, fill, d), kr], dim=2)
-                vr = torch.cat([v.new_zeros(1, hkv, fill, d), vr], dim=2)
-                pr = torch.cat([pr.new_full((1, hkv, fill), pad_slot), pr], dim=2)
-                order = pr.argsort(dim=2, stable=True)
-                kr = kr.gather(2, order[..., None].expand(-1, -1, -1, d))
-                vr = vr.gather(2, order[..., None].expand(-1, -1, -1, d))
-                pr = pr.gather(2, order)
-            ks.append(kr)
-            vs.append(vr)
-            ps.append(pr)
-        return torch.cat(ks), torch.cat(vs), torch.cat(ps)

@@ -19,12 +19,42 @@ from moend_fx.quant import QuantizedTensor, dequantize, quantize
 Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] when that side is 16-bit
 
 
+def _row_major_empty(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or for an empty x a new empty tensor whose strides are the plain row-major products of its sizes
+    (PyTorch gives empty tensors max(size, 1) strides; a compiled graph expects the products, e.g. 0 for the
+    batch and head strides of a layer with no packed group yet, and would otherwise recompile for it)."""
+    if x.numel():
+        return x
+    strides, acc = [], 1
+    for size in reversed(x.shape):
+        strides.append(acc)
+        acc *= size
+    return x.new_empty_strided(tuple(x.shape), tuple(reversed(strides)))
+
+
 def _encode(x: torch.Tensor, bits: int, group_size: int, mode: str) -> Block:
-    return x.contiguous() if bits == 16 else quantize(x, bits, group_size, mode)
+    if bits == 16:
+        return _row_major_empty(x.contiguous())
+    q = quantize(x, bits, group_size, mode)
+    return replace(q, codes=_row_major_empty(q.codes), scale=_row_major_empty(q.scale),
+                   zero=_row_major_empty(q.zero))
 
 
 def _decode(block: Block, dtype: torch.dtype) -> torch.Tensor:
     return block.to(dtype) if isinstance(block, torch.Tensor) else dequantize(block, dtype)
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of a residual window x: [B, H, R, D], stored token-major (memory order [R, B, H, D]).
+
+    Why: under torch.compile the decode graph is guarded on the strides of its inputs. Row-major strides of
+    [B, H, R, D] depend on R and are irregular at R = 0 (PyTorch uses max(R, 1)), and a slice keeps the parent's
+    storage offset (``.contiguous()`` is a no-op on a 0/1-token slice). Token-major strides (H*D, D, B*H*D, 1)
+    never depend on R, so one graph serves every residual length.
+    """
+    # ``clone(memory_format=contiguous_format)``, not ``.contiguous()``: an empty or 1-token tensor counts as
+    # contiguous, so ``.contiguous()`` would keep its old strides and storage offset.
+    return x.permute(2, 0, 1, 3).clone(memory_format=torch.contiguous_format).permute(1, 2, 0, 3)
 
 
 def _block_bytes(block: Block) -> int:
@@ -70,7 +100,7 @@ class PackedKV:
             config, group_size,
             _encode(k[:, :, :p], config.k_bits, group_size, "channel"),
             _encode(v[:, :, :p], config.v_bits, group_size, "token"),
-            k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), pos,
+            _fresh(k[:, :, p:]), _fresh(v[:, :, p:]), pos,
         )
 
     @property
@@ -92,8 +122,16 @@ class PackedKV:
         v = torch.cat([_decode(self.v_packed, dtype), self.v_res.to(dtype)], dim=2)
         return k, v
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> PackedKV:
-        """Add new tokens k, v: [B, H, L, D] (positions [B, H, L]) and flush full groups into packed codes."""
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None, *, keep_full: bool = False,
+    ) -> PackedKV:
+        """Add new tokens k, v: [B, H, L, D] (positions [B, H, L]) and flush full groups into packed codes.
+
+        keep_full: leave the last full group in the residual window (it then holds 1..G tokens, not 0..G-1):
+        the cache layer flushes it lazily, before the next append or from ``before_step`` outside a compiled
+        decode step, so that step never has to branch on whether it fills a group. The packed codes are the
+        same either way; only when the last group is quantized differs.
+        """
         k_res = torch.cat([self.k_res, k.to(self.dtype)], dim=2)
         v_res = torch.cat([self.v_res, v.to(self.dtype)], dim=2)
         pos = self.positions
@@ -102,15 +140,27 @@ class PackedKV:
                 raise MoendError("this layer evicts, so appended tokens need their positions [B, H, L]")
             pos = torch.cat([pos, positions.to(torch.int32)], dim=2)
         r = k_res.shape[2]
-        flush = (r // self.group_size) * self.group_size if self.config.quantized else 0
+        groups = (r - 1) // self.group_size if keep_full else r // self.group_size
+        return self._flushed(k_res, v_res, pos, groups * self.group_size if self.config.quantized else 0)
+
+    def flush(self) -> PackedKV:
+        """Quantize every full group of the residual window into packed codes (self when there is none)."""
+        r = self.k_res.shape[2]
+        if not self.config.quantized or r < self.group_size:
+            return self
+        return self._flushed(self.k_res, self.v_res, self.positions, (r // self.group_size) * self.group_size)
+
+    def _flushed(self, k_res: torch.Tensor, v_res: torch.Tensor, pos: torch.Tensor | None, flush: int) -> PackedKV:
+        """This layer with residual k_res, v_res: [B, H, R, D] whose first ``flush`` tokens (a multiple of G) are
+        moved into packed codes."""
         if flush == 0:
-            return replace(self, k_res=k_res, v_res=v_res, positions=pos)
+            return replace(self, k_res=_fresh(k_res), v_res=_fresh(v_res), positions=pos)
         # Existing packed groups are kept bit for bit; only the new full groups are quantized.
         kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, "channel")
         vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, "token")
         return replace(
             self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
-            k_res=k_res[:, :, flush:].contiguous(), v_res=v_res[:, :, flush:].contiguous(), positions=pos,
+            k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, flush:]), positions=pos,
         )
 
     def select(self, indices: torch.Tensor) -> PackedKV:

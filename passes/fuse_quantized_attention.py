@@ -145,7 +145,13 @@ class _Side:
             if a["dtype"] != dtype:
                 raise _NoFuse(f"{name} is dequantized to {a['dtype']}, but q is {dtype}")
             self.packed, self.scale, self.zero = a["codes"], a["scale"], a["zero"]
-            self.bits, self.group_size, self.head_dim = int(a["bits"]), int(a["group_size"]), int(a["head_dim"])
+            static = {key: a[key] for key in ("bits", "group_size", "head_dim")}
+            symbolic = sorted(key for key, x in static.items() if isinstance(x, bool) or not isinstance(x, int))
+            if symbolic:
+                # A graph of one attention call compiled for several layers (after a graph break) can get the bit
+                # width as a symbolic int; the kernel variant must be a constant.
+                raise _NoFuse(f"{name}'s dequantize has non-constant {symbolic} (a graph shared by several layers)")
+            self.bits, self.group_size, self.head_dim = static["bits"], static["group_size"], static["head_dim"]
         elif packed.op == "placeholder" or packed.op == "get_attr":
             if dtype_of(packed) != dtype:
                 raise _NoFuse(f"raw {name} has dtype {dtype_of(packed)}, q has {dtype}")

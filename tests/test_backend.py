@@ -71,10 +71,19 @@ def test_compiled_equals_eager_and_is_fused(inner, tmp_path):
     assert "attn_k4_v8_hd8_g32_layer0" in after[0].read_text()
 
 
-def test_inductor_inner_compiler():
-    q, kv = rand(1, 4, 3, 8, seed=4), layer(8, 2)
-    out = compiled({"inner": "inductor"})(q, kv)
-    torch.testing.assert_close(out, attend(q, kv), atol=1e-5, rtol=1e-4)  # fp32, summation order only
+def append_and_attend(q, kv, k_new, v_new):
+    grown = kv.append(k_new, v_new)  # 63 + 1 tokens: flushes a group of 32 inside the graph
+    return attend(q, grown), grown.k_packed.codes, grown.k_packed.scale, grown.v_packed.codes, grown.v_packed.zero
+
+
+def test_inductor_inner_compiler_attends_and_flushes_bit_exactly():
+    q, kv = rand(1, 4, 1, 8, seed=4), layer(8, 2, n=63)
+    new = rand(1, 2, 1, 8, seed=5), rand(1, 2, 1, 8, seed=6)
+    got = compiled({"inner": "inductor"}, append_and_attend)(q, kv, *new)
+    want = append_and_attend(q, kv, *new)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)  # fp32, summation order only
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g, w)  # the flushed group's codes, scales and zeros are eager's, bit for bit
 
 
 def test_plan_mismatch_surfaces_as_plan_error():

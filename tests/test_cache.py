@@ -327,3 +327,38 @@ def test_real_model_passkey_full_cache_and_lossless_moend_match():
         model.set_attn_implementation("moend")
         got = _generate(model, ids, MoENDCache(_plan(model, LOSSLESS, context_length=2048)), n=8)
         assert torch.equal(full, got)
+
+
+def test_a_filled_group_is_flushed_lazily_and_settle_restores_the_memory_model():
+    """A decode step that fills a group of G leaves it in the residual (attended at full precision once); it is
+    quantized before the next append, or by settle() / nbytes(), so the stored bytes equal the memory model."""
+    model = _moend(_model())
+    cache = MoENDCache(_plan(model, LayerConfig(1.0, 4, 8)))
+    _decode(model, cache, _ids(1, 60), 4)  # 60 + 4 tokens: the 4th step fills the second group of 32
+    layer = cache.layers[0]
+    assert layer.packed.num_packed == 32 and layer.packed.k_res.shape[2] == 32
+    assert cache.nbytes() == cache.model_bytes()  # nbytes settles first
+    assert layer.packed.num_packed == 64 and layer.packed.k_res.shape[2] == 0
+
+
+def test_before_step_marks_every_cache_tensor_dynamic_along_tokens():
+    model = _moend(_model())
+    cache = MoENDCache(_plan(model, LayerConfig(0.5, 4, 8)), scorer="snapkv")
+    _decode(model, cache, _ids(1, 70), 2)
+    cache.before_step()
+    tensors = [t for layer in cache.layers for t in layer.stored_tensors()]
+    assert len(tensors) == 2 * 10  # codes, scale, zero (K and V), 2 residuals, positions, query window; 2 layers
+    assert all(2 in getattr(t, "_dynamo_weak_dynamic_indices", ()) for t in tensors)
+
+
+def test_default_attention_is_the_fusable_form_and_matches_the_reference():
+    """The default attention_fn (SDPA over the dequantized layer) and the fp32 reference give the same tokens."""
+    from moend_fx.attention import reference_attention
+    from moend_fx.graph_attention import packed_layer_attention
+
+    model = _moend(_model())
+    plan = _plan(model, LayerConfig(0.5, 4, 8))
+    default = MoENDCache(plan, scorer="keynorm")
+    assert default.layers[0].attention_fn is packed_layer_attention
+    ref = MoENDCache(plan, scorer="keynorm", attention_fn=reference_attention)
+    assert torch.equal(_generate(model, _ids(2, 40), default), _generate(model, _ids(2, 40), ref))

@@ -46,6 +46,43 @@ def test_append_matches_one_shot_and_memory_model(config, n0, steps, seed):
         assert torch.equal(layer.positions, pos.to(torch.int32))
 
 
+@given(config=st.sampled_from(CONFIGS), n0=st.integers(1, 70), steps=st.lists(st.integers(1, 9), max_size=8),
+       seed=st.integers(0, 999))
+def test_lazy_flush_keeps_one_full_group_then_flush_equals_eager(config, n0, steps, seed):
+    """append(keep_full=True) leaves 1..G tokens in the residual; flush() then gives the eager layout exactly."""
+    g = 16
+    total = n0 + sum(steps)
+    k, v = rand(1, 2, total, 16, seed=seed), rand(1, 2, total, 16, seed=seed + 1)
+    pos = torch.arange(total).expand(1, 2, total)
+    lazy = eager = PackedKV.from_dense(k[:, :, :n0], v[:, :, :n0], config, g, pos[..., :n0] if config.evicts else None)
+    at = n0
+    for s in steps:
+        lazy = lazy.flush().append(k[:, :, at:at + s], v[:, :, at:at + s], pos[..., at:at + s], keep_full=True)
+        eager = eager.append(k[:, :, at:at + s], v[:, :, at:at + s], pos[..., at:at + s])
+        at += s
+        if config.quantized:
+            assert 1 <= lazy.k_res.shape[2] <= g
+    settled = lazy.flush()
+    assert settled.num_packed == eager.num_packed and settled.nbytes() == eager.nbytes()
+    for a, b in zip(settled.dequantize(), eager.dequantize()):
+        assert torch.equal(a, b)  # the same groups quantized from the same tokens
+
+
+@pytest.mark.parametrize("r", [0, 1, 5, 31])
+def test_residual_strides_do_not_depend_on_its_length(r):
+    """Token-major residual (strides (H*D, D, B*H*D, 1) at every R, a fresh storage): one compiled decode graph
+    serves every residual length. An empty packed part has the plain row-major products as strides."""
+    k, v = rand(2, 3, 64 + r, 16, seed=5), rand(2, 3, 64 + r, 16, seed=6)
+    layer = PackedKV.from_dense(k, v, LayerConfig(1.0, 4, 8), 32)
+    assert layer.k_res.shape == (2, 3, r, 16) and layer.k_res.stride() == (48, 16, 96, 1)
+    assert layer.k_res.storage_offset() == 0 and torch.equal(layer.k_res, k[:, :, 64:])
+    grown = layer.append(k[:, :, :1], v[:, :, :1])
+    assert grown.k_res.stride() == (48, 16, 96, 1)
+    empty = PackedKV.from_dense(k[:, :, :5], v[:, :, :5], LayerConfig(1.0, 4, 8), 32)
+    assert empty.k_packed.codes.shape == (2, 3, 0, 8) and empty.k_packed.codes.stride() == (0, 0, 8, 1)
+    assert empty.v_packed.scale.stride() == (0, 0, 1, 1)
+
+
 def test_select_keeps_positions_and_values():
     k, v = rand(1, 2, 64, 16, seed=3), rand(1, 2, 64, 16, seed=4)
     pos = (torch.arange(64) * 3).expand(1, 2, 64)

@@ -95,3 +95,50 @@ def test_prepare_feeds_calibrated_query_stats_from_a_table():
     assert sc.name == "trig" and sc.stats is not None
     assert out.cache.layers[1].scratch_nbytes() == 0  # calibrated stats: no query window kept
     assert sc.rope == rope_from_model(model)
+
+
+def test_prepare_installs_the_compile_hooks_and_unprepare_removes_them():
+    from moend_fx.backend_settings import BackendSettings
+
+    model = _model()
+    plan = _plan(model, LayerConfig(0.5, 4, 8))
+    prepare(model, plan, scorer="keynorm")
+    hooks = ("_prepare_cache_for_generation", "prepare_inputs_for_generation", "_prefill", "generate", "moend_plan")
+    assert all(name in model.__dict__ for name in hooks)
+    assert BackendSettings(plan=model).plan is plan  # the backend finds the plan on a prepared model
+    unprepare(model)
+    assert not any(name in model.__dict__ for name in hooks)
+
+
+def test_generate_calls_before_step_once_per_forward(monkeypatch):
+    calls = []
+    original = MoENDCache.before_step
+
+    def spy(self):
+        calls.append(self.get_seq_length())
+        original(self)
+
+    monkeypatch.setattr(MoENDCache, "before_step", spy)
+    model = _model()
+    prepare(model, _plan(model, LayerConfig(0.5, 4, 8)), scorer="keynorm")
+    _gen(model)
+    # Before the prefill (empty cache), then before each of the 19 decode steps (20 tokens: the last is sampled
+    # from the 19th step's logits).
+    assert calls == [0, *range(30, 30 + 19)]
+
+
+def test_decode_compile_settings_are_scoped():
+    import torch.fx.experimental._config as fx_config
+
+    from moend_fx.prepare import decode_compile_settings
+
+    before = torch.compiler.config.dynamic_sources
+    with decode_compile_settings():
+        assert "logical" in torch.compiler.config.dynamic_sources and fx_config.backed_size_oblivious
+    assert torch.compiler.config.dynamic_sources == before and not fx_config.backed_size_oblivious
+
+
+def test_prepare_rejects_a_bad_compile_prefill():
+    model = _model()
+    with pytest.raises(MoendError, match="compile_prefill='yes' is invalid; allowed: True or False"):
+        prepare(model, _plan(model, LayerConfig(1.0, 16, 16)), compile_prefill="yes")
