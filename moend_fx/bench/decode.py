@@ -23,6 +23,7 @@ every 128 generated tokens; with the default 16 steps no re-eviction falls insid
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -45,6 +46,7 @@ from moend_fx.bench.probes import (
 from moend_fx.errors import MoendError
 from moend_fx.memory import format_bytes, full_cache_bytes, plan_bytes
 from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.prepare import decode_compile_settings
 
 METHODS: tuple[str, ...] = ("full_eager", "full_inductor", "moend_eager", "moend_compiled")
 BASELINE = "full_eager"
@@ -176,8 +178,8 @@ def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) ->
         same = all(p.layers == first.layers for p in m.plans.values())
         # The plan only feeds the backend's validate_plan check; per-length plans that differ in their
         # configs would each need their own graphs anyway, so then the check is skipped.
-        model.compile(backend="moend", options={"plan": first if same else None, "kernel": settings.kernel,
-                                                "inner": settings.inner})
+        model.compile(backend="moend", fullgraph=True,
+                      options={"plan": first if same else None, "kernel": settings.kernel, "inner": settings.inner})
 
 
 def _teardown(model: Any) -> None:
@@ -217,15 +219,23 @@ def _run_one(model: Any, m: _Method, length: int, settings: DecodeBenchSettings,
     del out
     prefill_peak = peak_rss_bytes()
     reset_peak_rss()
-    warm0 = time.perf_counter()
-    for _ in range(settings.warmup):
-        tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    warmup_s = time.perf_counter() - warm0
-    times = []
-    for _ in range(settings.steps):
-        t = time.perf_counter()
-        tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t)
+    # A hand-written decode loop over a MoENDCache does what a prepared model's generate() does: the cache's
+    # before_step hook (deferred eviction, dynamic marks) outside the compiled step, under the decode
+    # compile settings; a step's time includes the hook.
+    before = getattr(cache, "before_step", None) or (lambda: None)
+    settings_ctx = decode_compile_settings() if m.compile_backend == "moend" else contextlib.nullcontext()
+    with settings_ctx:
+        warm0 = time.perf_counter()
+        for _ in range(settings.warmup):
+            before()
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        warmup_s = time.perf_counter() - warm0
+        times = []
+        for _ in range(settings.steps):
+            t = time.perf_counter()
+            before()
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t)
     decode_peak = peak_rss_bytes()
     after = rss_bytes()
     kv, scratch = cache_nbytes(cache)

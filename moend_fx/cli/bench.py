@@ -171,7 +171,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from moend_fx.bench.suite import bench_eval_section, default_table_path
-    from moend_fx.eval.runner import EvalConfig
+    from moend_fx.eval.config import EvalConfig
 
     _threads(args)
     cfg = EvalConfig(tasks=tuple(_csv(args.tasks)), lengths=_ints(args.lengths, "--lengths"), n=args.n,

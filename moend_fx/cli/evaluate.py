@@ -76,8 +76,9 @@ def default_table_path(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.report import write_report
-    from moend_fx.eval.runner import EvalConfig, Runner
+    from moend_fx.eval.runner import Runner
     from moend_fx.models import load_model
     from moend_fx.sensitivity import SensitivityTable
 
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     cont = []
     if args.continuation > 0:
         from moend_fx.calib_data import token_sequences
-        from moend_fx.eval.runner import continuation_eval
+        from moend_fx.eval.continuation import continuation_eval
 
         for length in cfg.lengths:
             ids, _ = token_sequences(model, tokenizer, args.continuation, length + args.continuation_tokens,

@@ -11,6 +11,8 @@ import torch
 
 from moend_fx.calibrate import calibrate
 from moend_fx.errors import MoendError
+from moend_fx.eval.config import EvalConfig
+from moend_fx.eval.continuation import continuation_eval
 from moend_fx.eval.methods import (
     METHODS,
     PlanBook,
@@ -21,16 +23,8 @@ from moend_fx.eval.methods import (
     lossless_plan,
 )
 from moend_fx.eval.report import markdown_continuation, summarize_continuation
-from moend_fx.eval.runner import (
-    EVAL_ATTN,
-    EvalConfig,
-    QueryRecorder,
-    Runner,
-    continuation_eval,
-    greedy_decode,
-    prefill,
-    stop_reason,
-)
+from moend_fx.eval.runner import Runner
+from moend_fx.eval.steps import EVAL_ATTN, QueryRecorder, greedy_decode, prefill, stop_reason
 from moend_fx.eval.tasks import Example, make_examples
 from moend_fx.memory import keep_count, plan_bytes
 from moend_fx.models import tiny_model

@@ -1,0 +1,161 @@
+"""Model steps of the evaluation: tokenising, the query-recording attention hook, prefill and greedy decode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from moend_fx.errors import MoendError
+from moend_fx.eval.methods import (
+    PrefillState,
+)
+from moend_fx.eval.tasks import Example, candidates
+from moend_fx.hf_attention import moend_attention
+
+EVAL_ATTN = "moend_eval"
+
+
+# --------------------------------------------------------------------------------------------- tokens
+
+
+def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """Token ids of ``text`` (``special``: add the tokenizer's special tokens, as for a prompt's start)."""
+    if callable(tokenizer):
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+    if hasattr(tokenizer, "encode"):
+        return list(tokenizer.encode(text))
+    raise MoendError(f"tokenizer {type(tokenizer).__name__} has neither __call__ nor encode")
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------- attention hook
+
+
+class QueryRecorder:
+    """Keeps the last ``window`` post-RoPE queries [B, H, W, D] of every layer across forward chunks."""
+
+    def __init__(self, num_layers: int, window: int, initial: Sequence[torch.Tensor | None] | None = None):
+        self.window = window
+        self.q: list[torch.Tensor | None] = list(initial) if initial is not None else [None] * num_layers
+
+    def record(self, layer: int, query: torch.Tensor) -> None:
+        q = query[:, :, -self.window:].detach()
+        prev = self.q[layer]
+        if prev is not None and q.shape[2] < self.window:
+            q = torch.cat([prev, q], dim=2)[:, :, -self.window:]
+        self.q[layer] = q
+
+
+_RECORDER: QueryRecorder | None = None
+
+
+def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The "moend" attention function (SDPA for plain caches, packed attention for MoENDCache) that also
+    records the queries of a prefill when a :class:`QueryRecorder` is active. query: [B, H, L, D]."""
+    if _RECORDER is not None:
+        _RECORDER.record(module.layer_idx, query)
+    return moend_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_eval_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EVAL_ATTN, eval_attention)
+    AttentionMaskInterface.register(EVAL_ATTN, sdpa_mask)
+
+
+register_eval_attention()
+
+
+@contextmanager
+def eval_attention_on(model: Any) -> Iterator[None]:
+    """Run ``model`` with the "moend_eval" attention inside the block (restored after; no-op if already on)."""
+    prev = model.config._attn_implementation
+    if prev == EVAL_ATTN:
+        yield
+        return
+    model.set_attn_implementation(EVAL_ATTN)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(prev)
+
+
+# --------------------------------------------------------------------------------------------- model steps
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def prefill(model: Any, ids: Sequence[int], *, window: int = 32, base: PrefillState | None = None) -> PrefillState:
+    """Full-precision prefill of ``ids`` (after ``base``'s tokens, if given) into a new :class:`PrefillState`."""
+    from transformers import DynamicCache
+
+    global _RECORDER
+    if not ids:
+        raise MoendError("nothing to prefill: the token list is empty")
+    cache = DynamicCache(config=model.config)
+    if base is not None:
+        for layer, (k, v) in zip(cache.layers, base.kv):
+            layer.update(k, v)
+    n_layers = model.config.num_hidden_layers
+    _RECORDER = QueryRecorder(n_layers, window, base.queries if base is not None else None)
+    try:
+        with eval_attention_on(model):
+            model(input_ids=torch.tensor([list(ids)], device=_device(model)), cache=cache, use_cache=True,
+                  logits_to_keep=1)
+        queries = _RECORDER.q
+    finally:
+        _RECORDER = None
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return PrefillState(kv, queries, kv[0][0].shape[2])
+
+
+def _extends(match: str, ch: str) -> bool:
+    """Whether character ``ch`` could continue the answer-shaped string it ends."""
+    return ch.isdigit() if match == "number" else ch.isalpha()
+
+
+def stop_reason(example: Example, text: str) -> str | None:
+    """Why decoding may stop after ``text`` (None = go on): a newline once the answer started, or every
+    expected answer-shaped string complete (strict scoring reads only those)."""
+    if "\n" in text.lstrip():
+        return "newline"
+    if text and len(candidates(example, text)) >= len(example.answers) and not _extends(example.match, text[-1]):
+        return "answers"
+    return None
+
+
+@torch.inference_mode()
+def greedy_decode(model: Any, cache: Any, suffix_ids: Sequence[int], max_new_tokens: int, *,
+                  tokenizer: Any = None, stop: Callable[[str], str | None] | None = None,
+                  eos_token_id: int | None = None) -> tuple[list[int], str]:
+    """Feed ``suffix_ids`` through ``cache`` then decode greedily. Returns (new token ids, stop reason:
+    "eos", "max_new_tokens" or what ``stop(decoded text)`` said)."""
+    dev = _device(model)
+    ids = torch.tensor([list(suffix_ids)], device=dev)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        with eval_attention_on(model):
+            logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        nxt = int(logits[0, -1].argmax())
+        if eos_token_id is not None and nxt == eos_token_id:
+            return out, "eos"
+        out.append(nxt)
+        if stop is not None:
+            why = stop(decode(tokenizer, out))
+            if why:
+                return out, why
+        ids = torch.tensor([[nxt]], device=dev)
+    return out, "max_new_tokens"
