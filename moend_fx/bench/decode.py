@@ -303,6 +303,10 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
                 if reason is None:
                     ids = torch.randint(0, model.config.vocab_size, (1, n - settings.warmup - settings.steps),
                                         generator=torch.Generator().manual_seed(settings.seed + n))
+                    if m.compile_backend == "moend":
+                        # Each length has its own plan (its own bit widths per layer): a served model holds one
+                        # plan, so each length starts from fresh compiled graphs (compile time is in warmup_s).
+                        torch._dynamo.reset()
                     try:
                         row = _run_one(model, m, n, settings, ids, table)
                     except MoendError:
