@@ -195,6 +195,21 @@ class TrigScorer(Scorer):
         return (coherent + magnitude).float()
 
 
+def _column_sums(scorer: Any, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+                 key_positions: torch.Tensor, query_positions: torch.Tensor | None,
+                 window: int | None = None) -> torch.Tensor:
+    """Attention of the (last ``window``) queries summed per key: [B, Hkv, G, T] (snapkv and h2o share it)."""
+    _check_keys(keys, values)
+    queries, _ = _queries(queries, keys, scorer.name)
+    kp = _key_positions(key_positions, keys.shape)
+    qp = _query_positions(query_positions, keys.shape[0], queries.shape[2])
+    if window is not None:
+        queries = queries[:, :, -window:]
+        qp = qp[:, -window:] if qp is not None else None
+    scale = scorer.scale if scorer.scale is not None else keys.shape[-1] ** -0.5
+    return _attention_column_sums(queries, keys, kp, qp, scale, scorer.chunk)
+
+
 @dataclass(frozen=True)
 class SnapKVScorer(Scorer):
     """SnapKV: attention of the observation window over all keys, summed over the window, pooled.
@@ -233,17 +248,8 @@ class SnapKVScorer(Scorer):
         key_positions: torch.Tensor,
         query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _check_keys(keys, values)
-        queries, _ = _queries(queries, keys, self.name)
-        b, hkv, t, d = keys.shape
-        kp = _key_positions(key_positions, keys.shape)
-        qp = _query_positions(query_positions, b, queries.shape[2])
-        if self.window is not None:
-            queries = queries[:, :, -self.window :]
-            qp = qp[:, -self.window :] if qp is not None else None
-        scale = self.scale if self.scale is not None else d**-0.5
-        att = _attention_column_sums(queries, keys, kp, qp, scale, self.chunk)  # [B, Hkv, G, T]
-        g = att.shape[2]
+        att = _column_sums(self, keys, values, queries, key_positions, query_positions, self.window)
+        b, hkv, g, t = att.shape  # [B, Hkv, G, T]
         flat = att.reshape(b * hkv * g, 1, t)
         pad = self.kernel_size // 2
         if self.pooling == "avg":
@@ -280,12 +286,7 @@ class H2OScorer(Scorer):
         key_positions: torch.Tensor,
         query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _check_keys(keys, values)
-        queries, _ = _queries(queries, keys, self.name)
-        kp = _key_positions(key_positions, keys.shape)
-        qp = _query_positions(query_positions, keys.shape[0], queries.shape[2])
-        scale = self.scale if self.scale is not None else keys.shape[-1] ** -0.5
-        return _attention_column_sums(queries, keys, kp, qp, scale, self.chunk).mean(dim=2)
+        return _column_sums(self, keys, values, queries, key_positions, query_positions).mean(dim=2)
 
 
 @dataclass(frozen=True)
