@@ -28,6 +28,19 @@ def default_table_path(model: str = "smollm2-135m", tokens: int = 2048) -> Path:
     return cache_root() / "tables" / f"{Path(model).name.lower()}-trig-{tokens}.safetensors"
 
 
+def _model_and_table(model_name: str, table_path: Path) -> tuple[Any, Any, Any]:
+    """The model, its tokenizer and a sensitivity table that exists (a clear error otherwise)."""
+    from moend_fx.models import load_model
+    from moend_fx.sensitivity import SensitivityTable
+
+    if not table_path.is_file():
+        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
+                         "--table PATH")
+    table = SensitivityTable.load(table_path)
+    model, tok = load_model(model_name)
+    return model, tok, table
+
+
 def _machine() -> dict[str, Any]:
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine()}
 
@@ -99,15 +112,9 @@ def bench_proxy_section(model_name: str, table_path: str | os.PathLike, settings
                         out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
     """Wrap :func:`moend_fx.eval.proxy.validate_proxy` (held-out KL vs the table's predicted loss)."""
     from moend_fx.eval.proxy import markdown_report, validate_proxy, write_report
-    from moend_fx.models import load_model
-    from moend_fx.sensitivity import SensitivityTable
 
     table_path = Path(table_path)
-    if not table_path.is_file():
-        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
-                         "--table PATH")
-    table = SensitivityTable.load(table_path)
-    model, tok = load_model(model_name)
+    model, tok, table = _model_and_table(model_name, table_path)
     result = validate_proxy(model, tok, table, settings, progress=progress)
     j, m = write_report(result, out)
     return markdown_report(result), {"json": j, "markdown": m}
@@ -165,15 +172,9 @@ def bench_eval_section(model_name: str, table_path: str | os.PathLike, config: A
     """Wrap the evaluation runner (``moend eval``) with a small configuration; resumes from ``out``."""
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
-    from moend_fx.models import load_model
-    from moend_fx.sensitivity import SensitivityTable
 
     table_path = Path(table_path)
-    if not table_path.is_file():
-        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
-                         "--table PATH")
-    table = SensitivityTable.load(table_path)
-    model, tok = load_model(model_name)
+    model, tok, table = _model_and_table(model_name, table_path)
     runner = Runner(model, tok, table, config, progress=progress)
     result = runner.run(out, resume=True)
     meta = dict(result.meta, table_path=str(table_path), model_name=model_name)
