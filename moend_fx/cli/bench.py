@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moend_fx.bench.report import KEYS, render_results, write_section
+from moend_fx.cli.args import positive_int
 from moend_fx.errors import MoendError
 
 DEFAULT_OUT = "results/bench"
@@ -237,15 +238,6 @@ def cmd_all(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- parser
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
-    return v
-
 
 def _common(p: argparse.ArgumentParser, *, threads: bool = True) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help="results folder (default %(default)s)")
@@ -269,7 +261,7 @@ def register(subparsers: Any) -> None:
                        description="One run, every method at every context length; ratios against full_eager.")
     d.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder")
     d.add_argument("--lengths", default="2048,4096,8192", help="context lengths (default %(default)s)")
-    d.add_argument("--steps", type=_positive, default=16, help="measured decode steps (median; default 16)")
+    d.add_argument("--steps", type=positive_int, default=16, help="measured decode steps (median; default 16)")
     d.add_argument("--warmup", type=int, default=3, help="warm-up decode steps (pay compilation; default 3)")
     d.add_argument("--methods", default="all", help=f"'all' or a comma list of {', '.join(METHODS)}")
     d.add_argument("--table", default=None, help="sensitivity table: the MoENDCache plan is solved on it (greedy)")
@@ -293,21 +285,21 @@ def register(subparsers: Any) -> None:
                         "synthetic:30)")
     s.add_argument("--budgets", default="4x,8x,14x", help="comma-separated budgets (default %(default)s)")
     s.add_argument("--trials", default="", help="optuna trial counts, e.g. 200,2000 (default: none)")
-    s.add_argument("--repeats", type=_positive, default=20, help="greedy timing repeats (default %(default)s)")
-    s.add_argument("--context-length", type=_positive, default=None, help="tokens (default: the table's)")
+    s.add_argument("--repeats", type=positive_int, default=20, help="greedy timing repeats (default %(default)s)")
+    s.add_argument("--context-length", type=positive_int, default=None, help="tokens (default: the table's)")
     _common(s, threads=False)
     s.set_defaults(func=cmd_solvers, _parser=s)
 
     c = sub.add_parser("calibrate", help="time the calibration (54 configs per layer)")
     c.add_argument("--model", default="smollm2-135m")
-    c.add_argument("--tokens", type=_positive, default=2048, help="calibration tokens (default %(default)s)")
-    c.add_argument("--sequences", type=_positive, default=1)
+    c.add_argument("--tokens", type=positive_int, default=2048, help="calibration tokens (default %(default)s)")
+    c.add_argument("--sequences", type=positive_int, default=1)
     _common(c)
     c.set_defaults(func=cmd_calibrate, _parser=c)
 
     k = sub.add_parser("kernels", help="decode attention micro-benchmark (fused CPU kernel vs SDPA)")
     k.add_argument("--lengths", default="2048,8192,32768", help="held tokens (default %(default)s)")
-    k.add_argument("--runs", type=_positive, default=30, help="timed calls per method (median)")
+    k.add_argument("--runs", type=positive_int, default=30, help="timed calls per method (median)")
     _common(k)
     k.set_defaults(func=cmd_kernels, _parser=k)
 
@@ -316,20 +308,20 @@ def register(subparsers: Any) -> None:
     e.add_argument("--table", default=None, help="table (default $MOEND_CACHE/tables/<model>-trig-2048.safetensors)")
     e.add_argument("--tasks", default="passkey")
     e.add_argument("--lengths", default="2048")
-    e.add_argument("--n", type=_positive, default=10, help="examples per task and length (default %(default)s)")
+    e.add_argument("--n", type=positive_int, default=10, help="examples per task and length (default %(default)s)")
     e.add_argument("--budgets", default="14x")
     e.add_argument("--methods", default="full,2d_uniform,2d_hetero")
     e.add_argument("--settings", default="query_aware,query_agnostic")
-    e.add_argument("--max-new-tokens", type=_positive, default=24)
+    e.add_argument("--max-new-tokens", type=positive_int, default=24)
     _common(e)
     e.set_defaults(func=cmd_eval, _parser=e)
 
     x = sub.add_parser("proxy", help="validate the calibration proxy against end-to-end KL on held-out text")
     x.add_argument("--model", default="smollm2-135m")
     x.add_argument("--table", default=None, help="table (default $MOEND_CACHE/tables/<model>-trig-2048.safetensors)")
-    x.add_argument("--sequences", type=_positive, default=8, help="held-out sequences (default %(default)s)")
-    x.add_argument("--tokens", type=_positive, default=2048, help="context tokens each (default %(default)s)")
-    x.add_argument("--plans", type=_positive, default=24, help="random plans (default %(default)s)")
+    x.add_argument("--sequences", type=positive_int, default=8, help="held-out sequences (default %(default)s)")
+    x.add_argument("--tokens", type=positive_int, default=2048, help="context tokens each (default %(default)s)")
+    x.add_argument("--plans", type=positive_int, default=24, help="random plans (default %(default)s)")
     _common(x)
     x.set_defaults(func=cmd_proxy, _parser=x)
 

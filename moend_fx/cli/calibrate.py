@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from moend_fx.cli.args import positive_int
 from moend_fx.plan import ALLOWED_SCORERS
 from moend_fx.sensitivity import SensitivityTable
 
@@ -144,26 +145,17 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
-    return v
-
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("calibrate", help="measure the per-layer sensitivity table S[layer, config]",
                               description="One prefill per calibration sequence, then every grid config "
                                           "per layer. Writes a safetensors table.")
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder")
-    p.add_argument("--tokens", type=_positive, default=2048, help="tokens per calibration sequence")
-    p.add_argument("--sequences", type=_positive, default=1, help="calibration sequences (default 1)")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--sequences", type=positive_int, default=1, help="calibration sequences (default 1)")
     p.add_argument("--scorer", default="trig", choices=list(ALLOWED_SCORERS), help="eviction scorer")
     p.add_argument("--seed", type=int, default=0, help="calibration text seed")
-    p.add_argument("--window", type=_positive, default=64, help="observation window (last queries)")
+    p.add_argument("--window", type=positive_int, default=64, help="observation window (last queries)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default=None,
                    help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors)")
@@ -181,14 +173,14 @@ def register(subparsers: Any) -> None:
                                           "the per-layer spread vs the paper. Writes proxy.json and proxy.md.")
     v.add_argument("--table", required=True, help="table file (.safetensors)")
     v.add_argument("--model", default="smollm2-135m")
-    v.add_argument("--sequences", type=_positive, default=8)
-    v.add_argument("--tokens", type=_positive, default=2048, help="context tokens per held-out sequence")
-    v.add_argument("--continuation", type=_positive, default=64, help="teacher-forced tokens after the context")
+    v.add_argument("--sequences", type=positive_int, default=8)
+    v.add_argument("--tokens", type=positive_int, default=2048, help="context tokens per held-out sequence")
+    v.add_argument("--continuation", type=positive_int, default=64, help="teacher-forced tokens after the context")
     v.add_argument("--plans", type=int, default=24, help="random plans (solver plans come on top)")
     v.add_argument("--budgets", default=",".join(_default_budgets()), help="comma-separated solver budgets")
     v.add_argument("--solver", default="greedy")
     v.add_argument("--seed", type=int, default=1, help="held-out text seed")
-    v.add_argument("--window", type=_positive, default=64)
+    v.add_argument("--window", type=positive_int, default=64)
     v.add_argument("--threads", type=int, default=0)
     v.add_argument("--out", required=True, help="output folder")
     v.add_argument("--quiet", action="store_true")
