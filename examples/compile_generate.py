@@ -24,8 +24,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from moend_fx.calibrate import calibrate
+from moend_fx.generation import prepare
 from moend_fx.models import load_model, tiny_model
-from moend_fx.prepare import prepare
 from moend_fx.sensitivity import SensitivityTable
 from moend_fx.solvers import get_solver
 

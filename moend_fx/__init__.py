@@ -6,13 +6,13 @@ from moend_fx.plan import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["Grid", "LayerConfig", "ModelFingerprint", "RoutingPlan", "prepare", "__version__"]
+__all__ = ["Grid", "LayerConfig", "ModelFingerprint", "RoutingPlan", "prepare", "unprepare", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # prepare pulls in transformers (~2 s): import it on first use so `moend solve` and solver workers start fast.
-    if name == "prepare":
-        from moend_fx.prepare import prepare
+    if name in ("prepare", "unprepare"):
+        from moend_fx import generation
 
-        return prepare
+        return getattr(generation, name)
     raise AttributeError(f"module 'moend_fx' has no attribute {name!r}")

@@ -29,8 +29,8 @@ def _table(model, tokenizer):
 @pytest.mark.slow
 def test_smollm2_14x_compiled_generate_equals_eager():
     from moend_fx.backend import moend_backend
+    from moend_fx.generation import prepare, unprepare
     from moend_fx.models import load_model
-    from moend_fx.prepare import prepare, unprepare
     from moend_fx.solvers import get_solver
 
     model, tokenizer = load_model("smollm2-135m")

@@ -44,9 +44,9 @@ from moend_fx.bench.probes import (
     weight_bytes,
 )
 from moend_fx.errors import MoendError
+from moend_fx.generation import decode_compile_settings
 from moend_fx.memory import format_bytes, full_cache_bytes, plan_bytes
 from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
-from moend_fx.prepare import decode_compile_settings
 
 METHODS: tuple[str, ...] = ("full_eager", "full_inductor", "moend_eager", "moend_compiled")
 BASELINE = "full_eager"
@@ -161,7 +161,7 @@ def _uncompile(model: Any) -> None:
 
 
 def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) -> None:
-    from moend_fx.prepare import prepare, unprepare
+    from moend_fx.generation import prepare, unprepare
 
     _uncompile(model)
     first = next(iter(m.plans.values()), None)
@@ -183,7 +183,7 @@ def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) ->
 
 
 def _teardown(model: Any) -> None:
-    from moend_fx.prepare import unprepare
+    from moend_fx.generation import unprepare
 
     _uncompile(model)
     unprepare(model)
@@ -195,7 +195,7 @@ def _new_cache(model: Any, m: _Method, length: int, table: Any) -> Any:
 
         return DynamicCache(config=model.config)
     from moend_fx.cache import MoENDCache
-    from moend_fx.prepare import _stats_from_table
+    from moend_fx.generation import _stats_from_table
     from moend_fx.rope import rope_from_model
 
     plan = m.plans[length]

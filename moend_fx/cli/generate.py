@@ -86,9 +86,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from moend_fx.bench.decode import plan_summary
+    from moend_fx.generation import prepare
     from moend_fx.memory import format_bytes, full_cache_bytes
     from moend_fx.models import load_model
-    from moend_fx.prepare import prepare
 
     if args.max_new_tokens <= 0:
         raise MoendError(f"--max-new-tokens={args.max_new_tokens} is invalid; allowed: a positive integer")

@@ -9,9 +9,9 @@ from torch._dynamo.utils import counters
 
 from moend_fx.backend import compile_inner
 from moend_fx.backend_settings import BackendSettings
+from moend_fx.generation import prepare, unprepare
 from moend_fx.models import tiny_model
 from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
-from moend_fx.prepare import prepare, unprepare
 
 PACKED_OP = "moend::packed_attention"
 

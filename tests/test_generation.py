@@ -1,4 +1,4 @@
-"""moend_fx.prepare: generate builds a fresh MoENDCache per call without the user building it."""
+"""moend_fx.generation.prepare: generate builds a fresh MoENDCache per call without the user building it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from transformers import DynamicCache
 
 from moend_fx.cache import MoENDCache
 from moend_fx.errors import MoendError, PlanError
+from moend_fx.generation import prepare, unprepare
 from moend_fx.models import tiny_model
 from moend_fx.plan import Grid, LayerConfig, ModelFingerprint, RoutingPlan
-from moend_fx.prepare import prepare, unprepare
 from moend_fx.rope import QueryStats, rope_from_model
 from moend_fx.sensitivity import SensitivityTable, stats_to_arrays
 
@@ -130,7 +130,7 @@ def test_generate_calls_before_step_once_per_forward(monkeypatch):
 def test_decode_compile_settings_are_scoped():
     import torch.fx.experimental._config as fx_config
 
-    from moend_fx.prepare import decode_compile_settings
+    from moend_fx.generation import decode_compile_settings
 
     before = torch.compiler.config.dynamic_sources
     with decode_compile_settings():
@@ -142,3 +142,13 @@ def test_prepare_rejects_a_bad_compile_prefill():
     model = _model()
     with pytest.raises(MoendError, match="compile_prefill='yes' is invalid; allowed: True or False"):
         prepare(model, _plan(model, LayerConfig(1.0, 16, 16)), compile_prefill="yes")
+
+
+def test_package_level_prepare_stays_the_function_after_any_import():
+    # Regression: a submodule named like the function used to replace `moend_fx.prepare` with the module
+    # after its first import, so a second `moend_fx.prepare(model, plan)` raised "module is not callable".
+    import moend_fx
+    import moend_fx.generation  # noqa: F401
+
+    assert moend_fx.prepare is prepare and callable(moend_fx.prepare)
+    assert moend_fx.unprepare is unprepare
