@@ -11,10 +11,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moend"))
 
 # Each pytest-xdist worker (and the subprocesses it starts) gets its own inductor cache: two workers writing
 # the same compiled .so at once left truncated files ("file too short") on this machine.
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), f"moend-inductor-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"),
-)
+# (Workers inherit the controller's environment, so the worker id is appended to whatever is set there.)
+_base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "moend-inductor")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_base}-{os.environ['PYTEST_XDIST_WORKER']}"
 
 # Two pytest workers share two cores: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("MOEND_TEST_THREADS", "1")))
