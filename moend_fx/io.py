@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -32,3 +34,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Render a matplotlib figure to PNG, write it atomically, and close the figure."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())

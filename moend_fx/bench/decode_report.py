@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from moend_fx.io import atomic_write_bytes, atomic_write_text
+from moend_fx.io import atomic_save_figure, atomic_write_text
 from moend_fx.memory import format_bytes
 
 
@@ -80,11 +79,7 @@ def plot_decode(result: dict[str, Any], path: str | os.PathLike) -> Path:
     ax.set_title(f"decode on CPU, {result['meta']['threads']} threads (dotted: roofline)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path)
 
 
 def write_decode(result: dict[str, Any], out_dir: str | os.PathLike, *, plot: bool = True) -> dict[str, Path]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moend_fx.errors import MoendError
-from moend_fx.io import atomic_write_bytes, atomic_write_text
+from moend_fx.io import atomic_save_figure, atomic_write_text
 
 Files = dict[str, Path]
 
@@ -139,7 +139,6 @@ def bench_kernels_section(lengths: Sequence[int], *, runs: int = 30, out: str | 
 
 
 def _plot_kernels(rows: list[dict], path: Path) -> Path:
-    import io
 
     import matplotlib
 
@@ -157,11 +156,7 @@ def _plot_kernels(rows: list[dict], path: Path) -> Path:
     ax.set_ylabel("ms per decode attention call (median)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------- eval

@@ -85,14 +85,13 @@ def _cfg(keep: float, kb: int, vb: int) -> Any:
 
 def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
     """Heatmap of log10 S: layers (rows) x configs (columns), written atomically."""
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moend_fx.io import atomic_write_bytes
+    from moend_fx.io import atomic_save_figure
 
     S = table.S
     floor = S[S > 0].min() if (S > 0).any() else 1e-12
@@ -107,11 +106,7 @@ def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
     ax.set_title(f"log10 S: {table.fingerprint.architecture}, "
                  f"{table.calibration.get('tokens', '?')} tokens, scorer {table.calibration.get('scorer', '?')}")
     fig.colorbar(im, ax=ax, label="log10 relative L2 error")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path)
 
 
 def cmd_show_table(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from moend_fx.errors import MoendError
 from moend_fx.eval.stats import summarize
-from moend_fx.io import atomic_write_bytes, atomic_write_text
+from moend_fx.io import atomic_save_figure, atomic_write_text
 from moend_fx.memory import format_bytes
 
 AVG = "avg"
@@ -283,7 +283,6 @@ def markdown_continuation(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot_accuracy_vs_bytes(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """PNG: task-averaged accuracy vs measured cache bytes, one panel per (setting, length)."""
-    import io
 
     import matplotlib
 
@@ -321,11 +320,7 @@ def plot_accuracy_vs_bytes(rows: Sequence[dict[str, Any]], path: str | Path) -> 
         ax.set_title(f"{setting}, {length} tokens")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------------------------- files

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moend_fx.errors import MoendError
-from moend_fx.io import atomic_write_bytes, atomic_write_text
+from moend_fx.io import atomic_save_figure, atomic_write_text
 from moend_fx.memory import format_bytes, parse_budget
 from moend_fx.sensitivity import SensitivityTable
 from moend_fx.solvers import get_solver
@@ -117,7 +117,6 @@ def _fmt_time(s: float) -> str:
 
 def plot_comparison(result: dict[str, Any], path: str | os.PathLike) -> Path:
     """PNG: predicted loss vs budget (bytes) per solver, log-scaled loss."""
-    import io
 
     import matplotlib
 
@@ -138,11 +137,7 @@ def plot_comparison(result: dict[str, Any], path: str | os.PathLike) -> Path:
     ax.set_title(f"{result['num_layers']} layers, context {result['context_length']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path)
 
 
 def write_comparison(result: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
