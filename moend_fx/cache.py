@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from transformers.cache_utils import Cache
 
 import moend_fx.hf_attention  # noqa: F401  (registers the "moend" attention function)
 from moend_fx.cache_layer import BUDGET_MODES, EvictionPolicy, MoENDLayer, PackedAttention
 from moend_fx.errors import MoendError
-from moend_fx.memory import dtype_bytes, keep_count, layer_bytes
+from moend_fx.memory import dtype_bytes, keep_count, keep_floor, layer_bytes
 from moend_fx.plan import RoutingPlan
 from moend_fx.rope import QueryStats, RopeSpec
 from moend_fx.scoring import SCORERS, Scorer, get_scorer
@@ -73,10 +74,15 @@ class MoENDCache(Cache):
     rope: the model's RoPE (needed by ``trig``); query_stats: calibrated per-layer :class:`QueryStats`
     (list or ``{layer: stats}``); without them ``trig`` estimates them from the last ``window`` queries.
     evict_every: decode steps between evictions; budget_mode: "ratio" (keep_ratio of the tokens seen) or
-    "capacity" (at most ``keep_count(plan.context_length, keep_ratio)`` tokens per layer).
+    "capacity" (at most ``max(keep_count(plan.context_length, keep_ratio), floor)`` tokens per evicting layer).
+    An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
+    has, when fewer): ``keep_count(T, keep_ratio, floor)``, which the memory model (``plan_bytes``) uses too.
     attention_fn: attention over a PackedKV (default :func:`moend_fx.graph_attention.packed_layer_attention`:
     SDPA over the dequantized layer, the pattern the ``moend`` backend fuses; pass
     :func:`moend_fx.attention.reference_attention` for the fp32 oracle), the one function a fused backend swaps.
+
+    :meth:`from_prefill` builds the cache a prefill through the "moend" attention would leave from a
+    full-precision prefill's K/V (and its last queries) without recomputing attention.
     """
 
     def __init__(
@@ -94,8 +100,13 @@ class MoENDCache(Cache):
         self.budget_mode = budget_mode
         name = plan.scorer if scorer is None else scorer
         layers = []
+        floor = keep_floor(plan)
         for i, cfg in enumerate(plan.layers):
-            cap = keep_count(plan.context_length, cfg.keep_ratio) if budget_mode == "capacity" else None
+            cap = None
+            if budget_mode == "capacity":
+                # a layer that keeps everything cannot evict: its cap stays the plan's context length
+                cap = keep_count(plan.context_length, cfg.keep_ratio)
+                cap = max(cap, floor) if cfg.evicts else cap
             policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, cap)
             sc = None
             if cfg.evicts:
@@ -103,6 +114,61 @@ class MoENDCache(Cache):
             layers.append(MoENDLayer(cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy,
                                      attention_fn=attention_fn))
         super().__init__(layers=layers)
+
+    @classmethod
+    def from_prefill(
+        cls, plan: RoutingPlan, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        queries: Sequence[torch.Tensor | None] | None = None, **cache_kw: Any,
+    ) -> MoENDCache:
+        """The cache a prefill of the same tokens through the "moend" attention function would leave, built from
+        a full-precision prefill without recomputing attention: each layer evicts with its own scorer, sinks and
+        recent window, then quantizes (:meth:`MoENDLayer.load_prefill`).
+
+        kv: one (keys, values) per layer, each [B, Hkv, T, D] post-RoPE (what a ``DynamicCache`` holds after
+        the prefill: ``[(layer.keys, layer.values) for layer in dynamic_cache.layers]``, or that cache itself);
+        unpadded rows.
+        queries: None, or one entry per layer: [B, H, W, D] post-RoPE queries of the last W prompt tokens (the
+        scorer's observation window; W >= min(T, window) for the same window as a real prefill) or None for
+        no queries (a scorer that needs them then raises a MoendError).
+        cache_kw: the constructor's options (rope, query_stats, window, evict_every, scorer, budget_mode, ...).
+        The tensors are not modified (the cache quantizes into new storage).
+        """
+        cache = cls(plan, **cache_kw)
+        n = len(cache.layers)
+        if isinstance(kv, Cache) and not isinstance(kv, MoENDCache):
+            kv = [(layer.keys, layer.values) for layer in kv.layers]  # e.g. the DynamicCache of the prefill
+        if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence) or len(kv) != n:
+            got = f"{len(kv)} entries" if isinstance(kv, Sequence) else type(kv).__name__
+            raise MoendError(f"kv must hold one (keys, values) per layer: the plan has {n} layers; got {got}")
+        if queries is None:
+            queries = [None] * n
+        elif isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or len(queries) != n:
+            got = f"{len(queries)} entries" if isinstance(queries, Sequence) else type(queries).__name__
+            raise MoendError(f"queries must be None or hold one tensor (or None) per layer: the plan has {n} "
+                             f"layers; got {got}")
+        fp = plan.fingerprint
+        shape0 = None
+        for i, (entry, q) in enumerate(zip(kv, queries)):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise MoendError(f"kv[{i}] must be a (keys, values) pair; got {type(entry).__name__}")
+            k, v = entry
+            for name, t in (("keys", k), ("values", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != fp.num_kv_heads \
+                        or t.shape[3] != fp.head_dim:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise MoendError(
+                        f"kv[{i}] {name} {got} must be [B, Hkv={fp.num_kv_heads}, T, D={fp.head_dim}] (the plan's "
+                        f"model: {fp.architecture}); was the prefill run on another model?"
+                    )
+            shape0 = shape0 or (k.shape[0], k.shape[2])
+            if (k.shape[0], k.shape[2]) != shape0:
+                raise MoendError(f"kv[{i}] keys {tuple(k.shape)}: every layer must hold the same batch and tokens "
+                                 f"as layer 0 (B={shape0[0]}, T={shape0[1]})")
+            if q is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != fp.num_heads:
+                raise MoendError(f"queries[{i}] {tuple(q.shape)} must be [B, H={fp.num_heads}, W, D={fp.head_dim}] "
+                                 "(the plan's model's query heads)")
+            cache.layers[i].load_prefill(k, v, q)
+        return cache
 
     def before_step(self) -> None:
         """Call outside the compiled region before each forward of a compiled model (``moend_fx.prepare``

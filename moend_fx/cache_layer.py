@@ -20,6 +20,10 @@ Inside a ``torch.compile`` graph a decode step only appends and attends: the ste
 (plain eager code, ``moend_fx.eviction``) are deferred to :meth:`MoENDLayer.before_step`, which the cache runs
 before the next step, outside the graph (``moend_fx.prepare`` installs that hook on ``generate``).
 
+A prompt whose attention already ran elsewhere (a full-precision DynamicCache prefill) enters an empty layer
+through :meth:`MoENDLayer.load_prefill` (the same eviction and quantization as ``finish_prefill``, no attention);
+``MoENDCache.from_prefill`` calls it per layer.
+
 Lengths: ``get_seq_length`` / ``get_mask_sizes`` report the *logical* length (every token fed,
 padding included) since they drive position ids and mask sizes; ``held`` is what is stored.
 Positions stored with evicting layers are logical slot indices (column indices of HF's mask).
@@ -265,6 +269,62 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         self._staged, self._pending = None, None
         lmask = self._mask_bool(mask, query.shape[2])
         self._track(query, position_ids)
+        self._compress_prompt(k, v, lmask)
+
+    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Fill this empty layer with a prompt whose attention already ran elsewhere (e.g. a DynamicCache prefill):
+        the layer is left exactly as a prefill of those tokens through the "moend" attention function leaves it
+        (its own eviction with its scorer, sinks and recent window, then quantization), without attention.
+
+        keys, values: [B, Hkv, T, D] post-RoPE, unpadded (every row's T tokens are real).
+        queries: [B, H, W, D] post-RoPE queries of the prompt's last W tokens (1 <= W <= T; the scorer's window
+        keeps the last ``policy.window`` of them, so W >= min(T, window) gives the same window as a real
+        prefill); None = no queries, which a scorer that needs them (trig without calibrated stats, snapkv,
+        h2o) cannot do without: a MoendError.
+        """
+        where = f"layer {self.layer_idx}"
+        if self.packed is not None or self._staged is not None or self.logical:
+            raise MoendError(f"{where}: load_prefill needs an empty layer; it already holds {self.logical} tokens "
+                             "(build a fresh cache, or reset() it)")
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise MoendError(f"{where}: {name} must be a 4-D tensor [B, Hkv, T, D]; got {got}")
+        if keys.shape != values.shape:
+            raise MoendError(f"{where}: keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the "
+                             "same shape [B, Hkv, T, D] (same batch, KV heads, tokens T and head_dim)")
+        b, hkv, t, d = keys.shape
+        if t < 1 or b < 1:
+            raise MoendError(f"{where}: keys {tuple(keys.shape)} hold no tokens; allowed: B >= 1 and T >= 1")
+        if queries is None:
+            if self.config.evicts and _needs_queries(self.scorer):
+                raise MoendError(
+                    f"{where} ({self.config.name}) evicts with scorer {self.scorer.name!r}, which needs the "
+                    "prompt's last queries: pass queries (per layer [B, H, W, D] post-RoPE, e.g. recorded with "
+                    "moend_fx.eval.steps.QueryRecorder), or use scorer 'keynorm'/'streaming', or 'trig' with "
+                    "calibrated query_stats"
+                )
+        elif not isinstance(queries, torch.Tensor) or queries.dim() != 4:
+            got = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries).__name__
+            raise MoendError(f"{where}: queries must be a 4-D tensor [B, H, W, D] or None; got {got}")
+        else:
+            qb, h, w, qd = queries.shape
+            if qb != b or qd != d or h < hkv or h % hkv or not 1 <= w <= t:
+                raise MoendError(
+                    f"{where}: queries {tuple(queries.shape)} must be [B={b}, H, W, D={d}] with H a multiple of "
+                    f"Hkv={hkv} and 1 <= W <= T={t} (the last W prompt tokens' post-RoPE queries)"
+                )
+        self.lazy_initialization(keys, values)
+        self.logical = t
+        if queries is None:
+            self._rope_offset = torch.zeros(b, dtype=torch.long, device=keys.device)
+        else:
+            # the W queries are those of the prompt's last W slots, as _track sees them in a real prefill
+            self._track(queries, None)
+        self._compress_prompt(keys, values, None)
+
+    def _compress_prompt(self, k: torch.Tensor, v: torch.Tensor, lmask: torch.Tensor | None) -> None:
+        """Evict the prompt k, v: [B, Hkv, T, D] to the policy's share and quantize it into the PackedKV."""
         pos = None
         if self.config.evicts:
             b, h, n = k.shape[:3]

@@ -26,11 +26,12 @@ BUDGET_MODES = ("ratio", "capacity")
 class EvictionPolicy:
     """When and how far a layer evicts.
 
-    ratio: after the prompt (and after each prefill chunk) keep ``keep_count(seen, keep_ratio)``; during
+    ratio: after the prompt (and after each prefill chunk) keep ``keep_count(seen, keep_ratio, floor)``; during
     decode re-evict to that every ``evict_every`` steps (in between the held count grows by < evict_every).
     capacity: never hold more than ``cap`` tokens; when a new token would exceed it, evict down to
-    ``cap - slack`` (slack = min(evict_every - 1, cap // 2)) so eviction re-runs about every evict_every steps.
-    ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra tokens.
+    ``max(cap - slack, min(floor, cap))`` (slack = min(evict_every - 1, cap // 2)) so eviction re-runs about
+    every evict_every steps. ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra
+    tokens. ``floor`` = sink_tokens + recent_tokens: an evicting layer keeps at least that many (or all it has).
     """
 
     budget_mode: str = "ratio"
@@ -38,7 +39,7 @@ class EvictionPolicy:
     window: int = 32
     sink_tokens: int = 4
     recent_tokens: int = 32
-    cap: int | None = None  # capacity mode: keep_count(plan.context_length, keep_ratio)
+    cap: int | None = None  # capacity mode: max(keep_count(plan.context_length, keep_ratio), floor)
 
     def __post_init__(self) -> None:
         if self.budget_mode not in BUDGET_MODES:
@@ -51,9 +52,14 @@ class EvictionPolicy:
             raise MoendError(f"capacity mode needs cap >= 1; got cap={self.cap!r}")
 
     @property
+    def floor(self) -> int:
+        """The fewest tokens an eviction keeps (when there are that many): the sinks plus the recent window."""
+        return self.sink_tokens + self.recent_tokens
+
+    @property
     def low_water(self) -> int:
         assert self.cap is not None
-        return max(1, self.cap - min(self.evict_every - 1, self.cap // 2))
+        return max(1, self.cap - min(self.evict_every - 1, self.cap // 2), min(self.floor, self.cap))
 
 
 class Evicting:
@@ -69,7 +75,7 @@ class Evicting:
         if pol.budget_mode == "ratio":
             if not chunk and self.decode_steps % pol.evict_every:
                 return None
-            t = torch.tensor([keep_count(int(s), self.config.keep_ratio) for s in real_seen.tolist()])
+            t = torch.tensor([keep_count(int(s), self.config.keep_ratio, pol.floor) for s in real_seen.tolist()])
         else:
             if n <= pol.cap:
                 return None

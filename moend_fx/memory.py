@@ -15,6 +15,7 @@ Solvers, reports, budgets and the cache's measured ``nbytes()`` all use these fu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -28,15 +29,33 @@ POSITION_BYTES = 4  # int32 original position per kept token per KV head
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-def keep_count(tokens: int, keep_ratio: float) -> int:
-    """Tokens a layer keeps out of ``tokens``: ``ceil(keep_ratio * tokens)``, clamped to ``[min(1, T), T]``.
+_PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RoutingPlan)}
+# The floor of a plan with default sinks and recent window (4 + 32): what plan-level byte predictions assume
+# when they are not given the plan itself (solver byte matrices, RoutingPlan.uniform, summary rows).
+DEFAULT_KEEP_FLOOR: int = _PLAN_DEFAULTS["sink_tokens"] + _PLAN_DEFAULTS["recent_tokens"]
+
+
+def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
+    """Tokens a layer keeps out of ``tokens``: ``max(ceil(keep_ratio * T), min(T, floor))``, clamped to
+    ``[min(1, T), T]``.
 
     The product is rounded to 9 decimals first so that e.g. ``0.1 * 30`` keeps 3 tokens, not 4.
+    ``floor``: the fewest tokens an evicting layer keeps whatever its ratio (MoENDCache and the plan-level byte
+    predictions pass ``keep_floor(plan)`` = sinks + recent window, 36 by default), so a plan solved for 2048
+    tokens applied to a short prompt still keeps its sinks and recent window. It does not move results at
+    the plan's own length when ``keep_ratio * T >= floor`` (2048 x 0.1 = 205 > 36). A layer with keep 1.0
+    keeps ``T`` either way.
     """
     if tokens <= 0:
         return 0
     n = math.ceil(round(keep_ratio * tokens, 9))
+    n = max(n, min(tokens, floor))
     return max(1, min(tokens, n))
+
+
+def keep_floor(plan: RoutingPlan) -> int:
+    """The fewest tokens an evicting layer of ``plan`` keeps: its sinks plus its recent window."""
+    return plan.sink_tokens + plan.recent_tokens
 
 
 def split_packed(n: int, config: LayerConfig, group_size: int) -> tuple[int, int]:
@@ -64,9 +83,12 @@ def layer_bytes_breakdown(
     group_size: int = 32,
     dtype_bytes: int = 4,
     kept: int | None = None,
+    floor: int = 0,
 ) -> dict[str, int]:
-    """Bytes by part for one layer after it has seen ``tokens`` tokens (or holds exactly ``kept``)."""
-    n = keep_count(tokens, config.keep_ratio) if kept is None else kept
+    """Bytes by part for one layer after it has seen ``tokens`` tokens (or holds exactly ``kept``).
+
+    floor: the kept-token floor of :func:`keep_count` (``keep_floor(plan)`` for a MoENDCache layer)."""
+    n = keep_count(tokens, config.keep_ratio, floor) if kept is None else kept
     p, r = split_packed(n, config, group_size)
     d = head_dim
     rows = batch * kv_heads
@@ -90,18 +112,23 @@ def layer_bytes(config: LayerConfig, tokens: int, **kw: Any) -> int:
 
 
 def plan_layer_bytes(
-    config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = 32, batch: int = 1
+    config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = 32, batch: int = 1,
+    floor: int = DEFAULT_KEEP_FLOOR,
 ) -> int:
+    """Bytes a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens. ``floor``: the
+    plan's kept-token floor (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
     return layer_bytes(
         config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
-        group_size=group_size, dtype_bytes=dtype_bytes(fp.dtype),
+        group_size=group_size, dtype_bytes=dtype_bytes(fp.dtype), floor=floor,
     )
 
 
 def plan_bytes(plan: RoutingPlan, tokens: int | None = None, batch: int = 1) -> int:
-    """Bytes of the whole plan at ``tokens`` (default: the plan's context length)."""
+    """Bytes of the whole plan at ``tokens`` (default: the plan's context length), as a MoENDCache measures
+    them after a prompt of that length (the plan's own kept-token floor included)."""
     t = plan.context_length if tokens is None else tokens
-    return sum(plan_layer_bytes(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch)
+    return sum(plan_layer_bytes(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
+                                floor=keep_floor(plan))
                for c in plan.layers)
 
 

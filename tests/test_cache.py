@@ -14,13 +14,14 @@ from transformers import DynamicCache
 from moend_fx.cache import MoENDCache
 from moend_fx.cache_layer import EvictionPolicy, MoENDLayer
 from moend_fx.errors import MoendError, PlanError
-from moend_fx.memory import keep_count, layer_bytes
+from moend_fx.memory import keep_count, keep_floor, layer_bytes, plan_bytes, plan_layer_bytes
 from moend_fx.models import tiny_model
 from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.rope import rope_from_model
 from moend_fx.scoring import get_scorer
 
 LOSSLESS = LayerConfig(1.0, 16, 16)
+FLOOR = 4 + 32  # an evicting layer keeps at least the plan's sinks + recent window (defaults)
 
 
 def _model(kind: str = "gqa", **kw):
@@ -101,12 +102,12 @@ def test_nbytes_equal_memory_model_after_prefill_and_300_decode_steps():
     cache = MoENDCache(plan, rope=rope_from_model(model), evict_every=128)
     t = 70
     _decode(model, cache, _ids(1, t), 0)
-    assert cache.held_tokens() == [keep_count(t, c.keep_ratio) for c in HETERO]
+    assert cache.held_tokens() == [keep_count(t, c.keep_ratio, FLOOR) for c in HETERO]
     assert cache.nbytes().per_layer == _expected_bytes(cache, model, 1)
     assert cache.nbytes() == cache.model_bytes()
     _decode_more(model, cache, 300)
     # evictions at decode steps 128 and 256 (ratio of the tokens seen then), then 44 more tokens
-    want = [keep_count(t + 256, c.keep_ratio) + 44 if c.evicts else t + 300 for c in HETERO]
+    want = [keep_count(t + 256, c.keep_ratio, FLOOR) + 44 if c.evicts else t + 300 for c in HETERO]
     assert cache.held_tokens() == want
     assert cache.nbytes().per_layer == _expected_bytes(cache, model, 1)
     assert cache.get_seq_length() == t + 300
@@ -126,7 +127,7 @@ def test_capacity_mode_never_exceeds_cap_over_1000_decode_steps():
     cfgs = [LayerConfig(0.5, 4, 8), LayerConfig(0.25, 16, 16)]
     plan = _plan(model, cfgs, context_length=64)
     cache = MoENDCache(plan, rope=rope_from_model(model), budget_mode="capacity", evict_every=16)
-    caps = [keep_count(64, c.keep_ratio) for c in cfgs]
+    caps = [max(keep_count(64, c.keep_ratio), FLOOR) for c in cfgs]  # evicting layers: at least the floor
     fp = plan.fingerprint
     # bytes are not monotonic in tokens (a full group packs, a partial one stays full precision), so the
     # byte bound of a token cap is the max over every count up to it
@@ -146,6 +147,52 @@ def test_capacity_mode_never_exceeds_cap_over_1000_decode_steps():
     assert cache.nbytes() == cache.model_bytes()
     assert max(s[0] for s in seen) == caps[0]  # the capacity is actually used
     assert cache.layers[0].evictions > 1000 // 16 // 2
+
+
+@pytest.mark.parametrize("t", [6, 40])
+def test_short_prompt_keeps_at_least_sinks_and_recent_window(t):
+    """A plan solved for 2048 tokens (keep 0.1 = 205 there) on a short prompt keeps min(T, 4 + 32) tokens per
+    evicting layer, and the memory model predicts exactly what the cache measures."""
+    model = _moend(tiny_model("llama", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16))
+    cfgs = [LayerConfig(0.1, 4, 8), LayerConfig(0.1, 16, 16), LayerConfig(0.1, 2, 4), LayerConfig(1.0, 4, 4)]
+    plan = _plan(model, cfgs, context_length=2048)
+    assert keep_floor(plan) == FLOOR
+    cache = MoENDCache(plan, rope=rope_from_model(model), evict_every=8)
+    _decode(model, cache, _ids(1, t), 0)
+    assert cache.held_tokens() == [min(t, FLOOR)] * 3 + [t]
+    assert cache.nbytes() == cache.model_bytes()
+    assert cache.nbytes().per_layer == [plan_layer_bytes(c, t, plan.fingerprint, floor=FLOOR) for c in cfgs]
+    assert cache.nbytes().total == plan_bytes(plan, t)
+    if t > FLOOR:  # exactly the sinks and the recent window survive
+        want = list(range(4)) + list(range(t - 32, t))
+        assert cache.layers[0].packed.positions[0, 0].tolist() == want
+
+    def check(step: int) -> None:  # decode re-evictions (every 8 steps) never go below the floor either
+        assert all(h >= min(t + step, FLOOR) for h in cache.held_tokens()[:3]), step
+
+    _decode_more(model, cache, 40, check)
+    assert cache.layers[0].evictions >= 1
+    assert cache.nbytes() == cache.model_bytes()
+
+
+def test_capacity_cap_is_at_least_the_floor_on_evicting_layers():
+    model = _moend(_model())
+    plan = _plan(model, [LayerConfig(0.1, 4, 8), LayerConfig(1.0, 4, 4)], context_length=64)
+    cache = MoENDCache(plan, rope=rope_from_model(model), budget_mode="capacity")
+    # keep 0.1 of 64 = 7 < the floor; a keep-1.0 layer cannot evict, so its cap stays the context length
+    assert [layer.policy.cap for layer in cache.layers] == [max(keep_count(64, 0.1), FLOOR), 64] == [36, 64]
+    assert EvictionPolicy("capacity", evict_every=128, cap=36).low_water == 36  # never evicts below the floor
+    assert EvictionPolicy("capacity", evict_every=128, cap=205).low_water == 205 - 102  # unchanged above it
+    plan = _plan(model, [LayerConfig(0.1, 4, 8), LayerConfig(0.25, 8, 8)], context_length=64)
+    cache = MoENDCache(plan, rope=rope_from_model(model), budget_mode="capacity", evict_every=16)
+    _decode(model, cache, _ids(1, 50), 0)
+    assert cache.held_tokens() == [FLOOR, FLOOR]
+
+    def check(step: int) -> None:  # at the cap after every step: each new token evicts one
+        assert cache.held_tokens() == [FLOOR, FLOOR], step
+
+    _decode_more(model, cache, 20, check)
+    assert cache.nbytes() == cache.model_bytes()
 
 
 def test_capacity_mode_rejects_growth_of_a_layer_that_cannot_evict():
@@ -210,7 +257,7 @@ def test_chunked_prefill_keeps_memory_bounded_and_ratio():
             peaks.append(max(cache.held_tokens()))
     assert cache.held_tokens() == [keep_count(200, 0.25)] * 2
     # after each chunk a layer holds at most its share of what it has seen so far
-    assert all(p <= keep_count(32 * (i + 1), 0.25) for i, p in enumerate(peaks))
+    assert all(p <= keep_count(32 * (i + 1), 0.25, FLOOR) for i, p in enumerate(peaks))
     assert cache.get_seq_length() == 200
 
 
@@ -250,8 +297,10 @@ def test_beam_search_lossless_matches_dynamic_cache_and_lossy_runs():
                          cache=MoENDCache(_plan(model, LOSSLESS)))
     assert torch.equal(ref, got)
     lossy = MoENDCache(_plan(model, LayerConfig(0.5, 4, 8)), rope=rope_from_model(model), evict_every=4)
-    out = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0, cache=lossy)
-    assert out.shape == (1, 42)
+    out = model.generate(_ids(1, 80), max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0,
+                         cache=lossy)  # 80 tokens: 0.5 x 80 > the 36-token floor, so the prompt is evicted
+    assert out.shape == (1, 92)
+    assert lossy.layers[0].evictions >= 1
     assert lossy.nbytes() == lossy.model_bytes()
 
 
@@ -266,9 +315,9 @@ def test_attention_fn_is_the_one_swap_point():
 
     model = _moend(_model())
     _decode(model, MoENDCache(_plan(model, LayerConfig(0.5, 8, 8)), rope=rope_from_model(model),
-                              attention_fn=spy), _ids(1, 20), 3)
+                              attention_fn=spy), _ids(1, 100), 3)
     assert len(calls) == 3 * 2  # decode steps x layers; the prefill runs SDPA on the dense prompt
-    assert calls[0] == ((1, 4, 1, 16), 11)
+    assert calls[0] == ((1, 4, 1, 16), 51)
 
 
 def test_wrong_attention_implementation_is_a_clear_error():

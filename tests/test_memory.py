@@ -5,12 +5,15 @@ from hypothesis import strategies as st
 
 from moend_fx.errors import BudgetError
 from moend_fx.memory import (
+    DEFAULT_KEEP_FLOOR,
     full_cache_bytes,
     keep_count,
+    keep_floor,
     layer_bytes,
     layer_bytes_breakdown,
     parse_budget,
     plan_bytes,
+    plan_layer_bytes,
 )
 from moend_fx.packed import PackedKV
 from moend_fx.plan import Grid, LayerConfig, ModelFingerprint, RoutingPlan
@@ -42,6 +45,37 @@ def test_keep_count_rounding_and_clamp():
     assert keep_count(5, 0.1) == 1
     assert keep_count(7, 1.0) == 7
     assert keep_count(0, 0.5) == 0
+
+
+def test_keep_count_floor():
+    assert keep_count(6, 0.1, floor=36) == 6  # a short prompt: every token (fewer than the floor)
+    assert keep_count(40, 0.1, floor=36) == 36
+    assert keep_count(2048, 0.1, floor=36) == 205  # at a plan's own length the floor does not bind
+    assert keep_count(7, 1.0, floor=36) == 7
+    assert keep_count(0, 0.1, floor=36) == 0
+    assert keep_count(40, 0.1) == 4  # no floor by default
+
+
+@given(tokens=st.integers(0, 5000), keep=st.sampled_from([0.1, 0.25, 0.5, 0.75, 0.9, 1.0]),
+       floor=st.integers(0, 100))
+def test_keep_count_floor_is_max_of_ratio_and_clamped_floor(tokens, keep, floor):
+    n = keep_count(tokens, keep, floor)
+    assert n == max(keep_count(tokens, keep), min(tokens, floor))
+    assert min(tokens, 1) <= n <= tokens
+
+
+def test_plan_byte_predictions_use_the_plans_floor():
+    plan = RoutingPlan.uniform(LayerConfig(0.1, 4, 4), SMOL, 2048)
+    assert keep_floor(plan) == DEFAULT_KEEP_FLOOR == 36
+    kw = dict(kv_heads=3, head_dim=64, dtype_bytes=4)
+    for t in (6, 40):
+        per = layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=min(t, 36), **kw)
+        assert plan_bytes(plan, t) == 30 * per
+        assert plan_layer_bytes(LayerConfig(0.1, 4, 4), t, SMOL) == per
+    # at the plan's own length nothing moves (205 > 36 kept tokens)
+    assert plan_bytes(plan) == 30 * layer_bytes(LayerConfig(0.1, 4, 4), 2048, **kw)
+    other = RoutingPlan.uniform(LayerConfig(0.1, 4, 4), SMOL, 2048, sink_tokens=2, recent_tokens=8)
+    assert plan_bytes(other, 40) == 30 * layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=10, **kw)
 
 
 def test_lossless_layer_is_plain_cache_size():

@@ -166,25 +166,11 @@ def lossless_plan(table: SensitivityTable, context_length: int) -> RoutingPlan:
 
 
 def moend_from_prefill(plan: RoutingPlan, state: PrefillState, **cache_kw: Any) -> MoENDCache:
-    """A MoENDCache holding ``state`` compressed by ``plan``, as if the prefill had run through it.
-
-    Each layer is staged with the prefill K/V and finished with the recorded query window, which runs the
-    layer's own eviction (its scorer, sinks, recent window) and quantization: the same code path as a
-    prefill through the "moend" attention function, minus the attention itself (already computed).
+    """A MoENDCache holding ``state`` compressed by ``plan``, as if the prefill had run through it
+    (:meth:`MoENDCache.from_prefill` on the state's K/V and recorded query windows).
     cache_kw: MoENDCache options (rope, query_stats, window, scorer, ...).
     """
-    cache = MoENDCache(plan, **cache_kw)
-    if len(cache.layers) != len(state.kv):
-        raise MoendError(f"plan has {len(cache.layers)} layers but the prefill state {len(state.kv)}")
-    for layer, (k, v), q in zip(cache.layers, state.kv, state.queries):
-        layer.lazy_initialization(k, v)
-        layer.logical = k.shape[2]
-        layer._staged, layer._pending = (k, v), "prefill"
-        if q is None:  # no recorded queries: scorers that need them must not be used
-            b, hkv, _, d = k.shape
-            q = k.new_zeros(b, hkv, 0, d)
-        layer.finish_prefill(q, None, None)
-    return cache
+    return MoENDCache.from_prefill(plan, state.kv, state.queries, **cache_kw)
 
 
 def build_cache(spec: MethodSpec, state: PrefillState, *, model: Any, plan: RoutingPlan | None = None,
