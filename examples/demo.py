@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import moend_fx
-from moend_fx.calibrate import calibrate
+from moend_fx.calibrate import calibrate, stale_reason
 from moend_fx.errors import MoendError
 from moend_fx.eval.tasks import make_examples, score
 from moend_fx.memory import format_bytes, full_cache_bytes, plan_layer_bytes
@@ -29,6 +29,9 @@ def load_or_calibrate(model, tok, path: Path, tokens: int) -> SensitivityTable:
         try:
             table = SensitivityTable.load(path)
             table.check_model(model)
+            why = stale_reason(table)
+            if why:
+                raise MoendError(why)
             print(f"[1/5] reusing the sensitivity table {path}")
             return table
         except MoendError as e:  # stale or for another model: calibrate again

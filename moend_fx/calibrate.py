@@ -82,6 +82,35 @@ def build_scorer(name: str, rope: RopeSpec | None, stats: QueryStats | None, win
     return get_scorer(name)
 
 
+def scorer_options(name: str) -> dict[str, Any]:
+    """The scorer's default options (JSON-ready): recorded in a table, so a table calibrated with another
+    version of the scorer is recognised (:func:`stale_reason`). Needs no RoPE or stats."""
+    import dataclasses
+
+    from moend_fx.scoring import SCORERS
+
+    skip = {"rope", "stats", "offsets"}
+    return {f.name: f.default for f in dataclasses.fields(SCORERS[name])
+            if f.init and f.name not in skip and f.default is not dataclasses.MISSING}
+
+
+def stale_reason(table: Any) -> str | None:
+    """Why ``table`` was calibrated with other scorer options than this version's defaults (None if current).
+
+    The cache scores tokens with the current defaults, so a table measured with older ones mis-predicts
+    what eviction costs: recalibrate it (``moend calibrate``)."""
+    cal = table.calibration
+    name = str(cal.get("scorer", "trig"))
+    if name not in ALLOWED_SCORERS:
+        return None
+    want = scorer_options(name)
+    got = cal.get("scorer_options")
+    if got != want:
+        return (f"the table was calibrated with {name} scorer options {got}, this version uses {want}; "
+                "recalibrate it with `moend calibrate`")
+    return None
+
+
 def window_attention(q: torch.Tensor, k: torch.Tensor, values: list[torch.Tensor], allowed: torch.Tensor,
                      scale: float) -> list[torch.Tensor]:
     """Attention of q over k and each of several V's, sharing one softmax.
@@ -225,7 +254,8 @@ def calibrate(
     finally:
         bar.close()
     S = total / token_ids.shape[0]
-    calibration = {**settings.to_dict(), "context_length": settings.tokens, "source": source,
+    calibration = {**settings.to_dict(), "scorer_options": scorer_options(settings.scorer),
+                   "context_length": settings.tokens, "source": source,
                    "metric": "relative L2 error of the attention output of the last `window` queries, "
                              "one layer compressed at a time"}
     return SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=settings.group_size,

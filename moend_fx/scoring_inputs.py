@@ -3,8 +3,41 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moend_fx.errors import MoendError
+
+POOLINGS = ("max", "avg", "none")
+
+
+def _check_pooling(scorer: str, pooling: str, kernel_size: int) -> None:
+    if pooling not in POOLINGS:
+        raise MoendError(f"{scorer} pooling={pooling!r}; allowed: {list(POOLINGS)}")
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise MoendError(f"{scorer} kernel_size={kernel_size!r}; must be an odd int >= 1")
+
+
+def _pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """Pool scores [..., T] along the stored tokens ("max", "avg" or "none"); same shape out.
+
+    Tokens scored -inf (padding) stay -inf: pooling must not lift them with a real neighbour's score.
+    """
+    if pooling == "none" or kernel_size == 1:
+        return scores
+    shape = scores.shape
+    flat = scores.reshape(-1, 1, shape[-1])
+    pad = kernel_size // 2
+    if pooling == "avg":
+        # -inf neighbours would poison an average: pool the finite part only
+        finite = torch.isfinite(flat)
+        num = F.avg_pool1d(torch.where(finite, flat, 0.0), kernel_size, stride=1, padding=pad,
+                           count_include_pad=False)
+        den = F.avg_pool1d(finite.to(flat.dtype), kernel_size, stride=1, padding=pad, count_include_pad=False)
+        pooled = num / den.clamp_min(1e-12)
+    else:
+        pooled = F.max_pool1d(flat, kernel_size, stride=1, padding=pad)
+    pooled = pooled.reshape(shape)
+    return torch.where(scores == float("-inf"), scores, pooled)
 
 
 def _check_keys(keys: torch.Tensor, values: torch.Tensor | None) -> None:

@@ -164,7 +164,8 @@ def test_trig_matches_brute_force(seed, b, hkv, group, t, half, scaling, max_off
     kp = _positions(seed, b, hkv, t)
     keys = apply_rope(_randn(seed, b, hkv, t, d, dtype=torch.float64), kp, spec).float()
     stats = QueryStats.empty(h, d).accumulate(_randn(seed + 1, 2, h, 9, d) + _randn(seed + 2, 1, h, 1, d))
-    scorer = get_scorer("trig", rope=spec, stats=stats, max_offset=max_offset)
+    scorer = get_scorer("trig", rope=spec, stats=stats, max_offset=max_offset, pooling="none",
+                        norm_weight=0.0)
     got = scorer.score(keys, keys, key_positions=kp)
     t_now = kp.reshape(b, -1).amax(1) + 1
     ref = _trig_brute(keys, kp, stats.mean, stats.abs_mean, spec, scorer.offsets, t_now)
@@ -177,6 +178,49 @@ def test_trig_matches_brute_force(seed, b, hkv, group, t, half, scaling, max_off
     kabs = to_complex(keys.double()).abs()  # [B, Hkv, T, F]
     mag = torch.einsum("bktf,kf->bkt", kabs, m.reshape(hkv, group, half).mean(1))
     assert torch.allclose(got.double() - mag, coherent_ref, atol=2e-5 * scale + 1e-6)
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 40), kernel=st.sampled_from([1, 3, 5, 9]),
+       pads=st.integers(0, 3))
+def test_trig_pooling_is_max_over_stored_neighbours(seed, t, kernel, pads):
+    """The default trig score is the raw score max-pooled over ``kernel_size`` stored neighbours (a window
+    cut at the ends), and tokens scored -inf (padding) stay -inf whatever their neighbours score."""
+    d, hkv, group = 16, 2, 2
+    spec = RopeSpec.default(d)
+    kp = _positions(seed, 1, hkv, t)
+    keys = _randn(seed, 1, hkv, t, d)
+    stats = QueryStats.empty(hkv * group, d).accumulate(_randn(seed + 1, 2, hkv * group, 5, d))
+    raw = get_scorer("trig", rope=spec, stats=stats, pooling="none").score(keys, keys, key_positions=kp)
+    plain = get_scorer("trig", rope=spec, stats=stats, pooling="none", norm_weight=0.0)
+    trig = plain.score(keys, keys, key_positions=kp)
+    z = lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True, correction=0).clamp_min(1e-12)  # noqa: E731
+    # default norm_weight 1: standardised trig + standardised -||k|| (float32 z-scores)
+    assert torch.allclose(raw, z(trig) + z(-keys.norm(dim=-1)), atol=1e-4)
+    pooled = get_scorer("trig", rope=spec, stats=stats, kernel_size=kernel).score(keys, keys, key_positions=kp)
+    r = kernel // 2
+    ref = torch.stack([raw[..., max(0, i - r): i + r + 1].amax(-1) for i in range(t)], dim=-1)
+    assert torch.equal(pooled, ref)  # a max selects one of the inputs: exact
+    from moend_fx.scoring_inputs import _pool_scores
+
+    masked = raw.clone()
+    masked[..., : min(pads, t)] = float("-inf")
+    for mode in ("max", "avg"):
+        out = _pool_scores(masked, kernel, mode)
+        assert torch.isneginf(out[..., : min(pads, t)]).all()
+        assert torch.isfinite(out[..., min(pads, t):]).all()  # avg pools the finite neighbours only
+
+
+def test_pooling_options_are_checked():
+    spec = RopeSpec.default(8)
+    with pytest.raises(MoendError, match="pooling='sum'.*allowed"):
+        get_scorer("trig", rope=spec, pooling="sum")
+    with pytest.raises(MoendError, match="kernel_size=4.*odd"):
+        get_scorer("trig", rope=spec, kernel_size=4)
+    with pytest.raises(MoendError, match="kernel_size=0.*odd"):
+        get_scorer("snapkv", kernel_size=0)
+    with pytest.raises(MoendError, match="norm_weight=-1.*>= 0"):
+        get_scorer("trig", rope=spec, norm_weight=-1)
 
 
 def test_trig_on_the_fly_equals_calibrated_from_same_queries():

@@ -11,6 +11,7 @@ Records are saved after every example (``records.jsonl``), so an interrupted run
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moend_fx.errors import MoendError
@@ -76,6 +77,8 @@ def default_table_path(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from moend_fx.calibrate import stale_reason
+    from moend_fx.errors import TableError
     from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
@@ -92,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     table = SensitivityTable.load(table_path)
+    why = stale_reason(table)
+    if why:
+        if not args.table:  # the default table is ours to keep current
+            raise TableError(f"{table_path}: {why}")
+        print(f"moend eval: warning: {why}", file=sys.stderr)
     model, tokenizer = load_model(args.model)
     runner = Runner(model, tokenizer, table, cfg, progress=not args.no_progress)
     for name, why in runner.skipped.items():

@@ -43,11 +43,16 @@ def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[An
 
     if args.table is not None:
         return load_table(args.table), args.table
+    from moend_fx.calibrate import calibrate, stale_reason
+
     for tokens in (2048, args.calib_tokens):
         path = default_table_path(args.model, tokens)
         if path.is_file():
-            return SensitivityTable.load(path), str(path)
-    from moend_fx.calibrate import calibrate
+            table = SensitivityTable.load(path)
+            why = stale_reason(table)
+            if why is None:
+                return table, str(path)
+            print(f"skipping {path}: {why}", file=sys.stderr)
 
     path = default_table_path(args.model, args.calib_tokens)
     print(f"no sensitivity table for {args.model}: calibrating on {args.calib_tokens} tokens "

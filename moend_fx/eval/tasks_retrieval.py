@@ -21,7 +21,9 @@ class PasskeyTask:
     """A random passkey hidden in filler; the classic repeated filler by default.
 
     The repeated "The grass is green..." filler matches the published passkey test and design.md's
-    peer measurements; haystack="sentences" gives the harder diverse filler.
+    peer measurements; haystack="sentences" gives the harder diverse filler. The needle is the classic
+    one without its reversed repeat ("... {key} is the pass key."), which the small model confused
+    with the answer format.
     """
 
     name: ClassVar[str] = "passkey"
@@ -35,7 +37,10 @@ class PasskeyTask:
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         key = random_number(rng, self.digits, set())
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        # The classic needle's second half ("... {key} is the pass key.") made SmolLM2-135M answer "the pass
+        # key" instead of the number on 5/30 full-cache prompts: "is" is followed by " the" there, and a
+        # copying head follows it. The one-sentence needle scores 29/30 on the same prompts.
+        needle = f"The pass key is {key}. Remember it."
         intro = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                  "Find it and memorize it. I will quiz you about it afterwards.")
 

@@ -288,7 +288,7 @@ def real_passkey_records():
     grid = Grid()
     # The lossless plan reads no sensitivities: a placeholder table (all ones) carries the fingerprint.
     table = SensitivityTable(np.ones((fp.num_layers, len(grid))), grid, fp)
-    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=10, methods=("full", "lossless"),
+    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=20, methods=("full", "lossless"),
                      settings=("query_aware",), max_new_tokens=12)
     res = Runner(model, tok, table, cfg, progress=False).run()
     return {m: [r for r in res.records if r["method"] == m] for m in ("full", "lossless")}
@@ -305,7 +305,7 @@ def test_real_model_lossless_moend_matches_full_cache(real_passkey_records):
 def test_real_model_full_cache_passkey_accuracy_at_2k(real_passkey_records):
     full = real_passkey_records["full"]
     acc = sum(r["score"] for r in full) / len(full)
-    # Issue 5 targets >= 90%. Measured on these 10 examples: 8/10 (83% on 30): SmolLM2-135M misses the same
-    # needles with plain model.generate on the whole prompt, so this is the model's ceiling, not the harness.
-    # The bound guards the harness (a prompt or position bug drops accuracy to ~0), not the target.
-    assert acc >= 0.7, [(r["answers"], r["generated"]) for r in full]
+    # Issue 5's bar. With the one-sentence needle plain model.generate scored 29/30 on these prompts (the
+    # classic needle's reversed repeat made the model answer "the pass key" on 5/30); a prompt, position or
+    # mask bug drops accuracy to ~0.
+    assert acc >= 0.9, [(r["answers"], r["generated"]) for r in full]

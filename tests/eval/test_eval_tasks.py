@@ -78,7 +78,7 @@ def test_needle_sits_at_requested_depth(task, depth):
     assert abs(measured - depth) < 0.05, (measured, depth)
     assert abs(ex.meta["needle_depths"][0] - depth) < 0.05
     for a in ex.answers:
-        assert len(re.findall(rf"(?<!\d){a}(?!\d)", ex.context)) == (2 if task == "passkey" else 1)
+        assert len(re.findall(rf"(?<!\d){a}(?!\d)", ex.context)) == 1  # the passkey needle states it once
 
 
 def test_multikey_has_distractors_and_multivalue_all_values():
