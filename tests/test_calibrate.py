@@ -8,7 +8,14 @@ import torch
 
 from moend_fx.attention import attention_dense, reference_attention
 from moend_fx.calib_data import random_token_sequences
-from moend_fx.calibrate import CalibrationSettings, calibrate, layer_errors, window_attention
+from moend_fx.calibrate import (
+    CalibrationSettings,
+    calibrate,
+    layer_errors,
+    scorer_options,
+    stale_reason,
+    window_attention,
+)
 from moend_fx.capture import AttentionCapture, attention_override
 from moend_fx.errors import MoendError
 from moend_fx.memory import keep_count
@@ -127,6 +134,19 @@ def test_table_metadata_and_stats(model, table, tmp_path):
     back = type(table).load(table.save(tmp_path / "t.safetensors"))
     assert back.S.tobytes() == table.S.tobytes()
     table.check_model(model)
+
+
+def test_table_records_scorer_options_and_stale_tables_are_named(table, tmp_path):
+    opts = table.calibration["scorer_options"]
+    assert opts == scorer_options("trig") and opts["pooling"] == "max" and opts["kernel_size"] == 9
+    back = type(table).load(table.save(tmp_path / "t.safetensors"))
+    assert stale_reason(back) is None  # survives the JSON metadata round trip
+    import dataclasses
+
+    for cal in ({k: v for k, v in table.calibration.items() if k != "scorer_options"},  # an older table
+                {**table.calibration, "scorer_options": {**opts, "kernel_size": 5}}):
+        why = stale_reason(dataclasses.replace(table, calibration=cal))
+        assert why is not None and "recalibrate" in why and "pooling" in why
 
 
 def test_table_matches_reference_path(model):

@@ -60,3 +60,22 @@ def test_installed_entry_point_errors_are_one_line(argv, words):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("moend: error:") and words in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_eval_refuses_a_stale_default_table(tmp_path, monkeypatch, capsys):
+    """A cached table calibrated with other scorer options than this version's is not silently used."""
+    import dataclasses
+
+    from moend_fx.calibrate import calibrate
+    from moend_fx.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    table = calibrate(model, tokens=64, num_sequences=1)
+    table = dataclasses.replace(table, calibration={**table.calibration, "scorer_options": {"pooling": "none"}})
+    monkeypatch.setenv("MOEND_CACHE", str(tmp_path / "cache"))
+    table.save(tmp_path / "cache" / "tables" / "tiny-llama-trig-2048.safetensors")
+    assert main(["eval", "--model", str(folder), "--n", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "scorer options" in err and "moend calibrate" in err and "Traceback" not in err

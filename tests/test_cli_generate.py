@@ -96,6 +96,17 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
                           "--calib-tokens", "96", "--quiet", "--budget", "4x")
     assert code == 0 and "calibrating" not in err and str(saved) in out
+    # a table calibrated with other scorer options (an older version) is skipped and calibrated again
+    import dataclasses
+
+    from moend_fx.sensitivity import SensitivityTable
+
+    old = SensitivityTable.load(saved)
+    dataclasses.replace(old, calibration={**old.calibration, "scorer_options": {"pooling": "none"}}).save(saved)
+    code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
+                          "--calib-tokens", "96", "--quiet", "--budget", "4x")
+    assert code == 0 and "skipping" in err and "scorer options" in err and "calibrating on 96 tokens" in err
+    assert "just calibrated" in out
 
 
 def _one_line_error(code: int, out: str, err: str, *words: str) -> None:
