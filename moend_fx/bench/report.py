@@ -5,7 +5,9 @@ Every benchmark writes its section into ``<results>/sections/<key>.md`` (with ``
 command, the time, the files). :func:`render_results` rebuilds the document from a fixed template in
 :data:`SECTIONS` order, taking each section from, in turn: the results folder; the block of the same key in
 the existing document (between ``<!-- section:KEY -->`` and ``<!-- /section:KEY -->``), so benchmarks that
-were not re-run keep their published text; else a placeholder saying how to produce it.
+were not re-run keep their published text; else a placeholder saying how to produce it. A hand-written
+reading of a section's numbers lives in ``results-notes/<key>.md`` beside the document and is appended to
+the section each time it is rendered.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ def write_section(results_dir: str | os.PathLike, key: str, command: str, markdo
 
 
 def section_block(key: str, command: str, markdown: str, *, written: str | None = None,
-                  images: list[str] | tuple[str, ...] = ()) -> str:
-    """One section of the document: title, the regenerating command, the body, the images."""
+                  images: list[str] | tuple[str, ...] = (), notes: str | None = None) -> str:
+    """One section of the document: title, the regenerating command, the body, the images, then the
+    hand-written ``notes`` (a reading of the numbers; kept in ``results-notes/<key>.md`` beside the document
+    so that a re-run keeps them, dated so a reader can tell when they were written)."""
     spec = _spec(key)
     lines = [f"## {spec.title}", "", spec.about, "", "Regenerate with:", "", "```", command, "```", ""]
     if written:
@@ -93,7 +97,14 @@ def section_block(key: str, command: str, markdown: str, *, written: str | None 
     lines += [markdown.rstrip(), ""]
     for img in images:
         lines += [f"![{spec.title}]({img})", ""]
+    if notes and notes.strip():
+        lines += [notes.rstrip(), ""]
     return "\n".join(lines)
+
+
+def notes_path(doc: Path, key: str) -> Path:
+    """Where the hand-written reading of section ``key`` lives: ``<doc dir>/results-notes/<key>.md``."""
+    return doc.parent / "results-notes" / f"{key}.md"
 
 
 def _placeholder(spec: SectionSpec) -> str:
@@ -127,8 +138,9 @@ def render_results(results_dir: str | os.PathLike, doc_path: str | os.PathLike) 
             meta = json.loads(meta_path.read_text())
             images = [_publish_image(Path(p), doc, spec.key)
                       for k, p in meta.get("files", {}).items() if str(p).endswith(".png") and Path(p).is_file()]
+            notes = notes_path(doc, spec.key)
             body = section_block(spec.key, meta["command"], md_path.read_text(), written=meta.get("written"),
-                                 images=images)
+                                 images=images, notes=notes.read_text() if notes.is_file() else None)
         elif spec.key in old:
             body = old[spec.key]
         else:

@@ -34,7 +34,7 @@ PUBLISHED_EVAL: dict[str, Any] = {
 
 # `moend bench all`: extra arguments per benchmark (modest defaults), and with --quick.
 ALL_ARGS: dict[str, list[str]] = {
-    "solvers": [],
+    "solvers": ["--trials", "200,2000"],
     "calibrate": [],
     "kernels": ["--lengths", "2048,8192,32768", "--runs", "20"],
     "decode": [],

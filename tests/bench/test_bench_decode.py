@@ -168,6 +168,20 @@ def test_render_results_keeps_old_sections_and_orders_them(tmp_path):
     assert "Not run yet" in blocks2["kernels"]
 
 
+def test_render_results_appends_hand_written_notes(tmp_path):
+    doc = tmp_path / "docs" / "results.md"
+    (doc.parent / "results-notes").mkdir(parents=True)
+    (doc.parent / "results-notes" / "solvers.md").write_text("**Reading.** greedy is within 1% of exact.\n")
+    res = tmp_path / "results"
+    write_section(res, "solvers", "moend bench solvers --out results", "| gap | 0.9 |")
+    render_results(res, doc)
+    block = existing_blocks(doc.read_text())["solvers"]
+    assert block.index("| gap | 0.9 |") < block.index("**Reading.** greedy is within 1% of exact.")
+    # a re-render (as `moend bench all` does) keeps them exactly once
+    render_results(res, doc)
+    assert doc.read_text().count("greedy is within 1% of exact") == 1
+
+
 def test_write_section_rejects_unknown_key(tmp_path):
     with pytest.raises(MoendError, match="decode"):
         write_section(tmp_path, "speed", "moend bench speed", "x")
