@@ -136,7 +136,17 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                    bandwidth_gbs=args.bandwidth, seed=args.seed, kernel=args.kernel,
                                    inner=args.inner)
     out = Path(args.out) / "decode"
-    md, files, _ = bench_decode_section(args.model, settings, table_path=args.table, plan_path=args.plan, out=out,
+    table = args.table
+    if table is None and args.plan is None:
+        from moend_fx.bench.suite import default_table_path
+
+        cached = default_table_path(args.model)
+        if cached.is_file():  # the greedy plan on the calibrated table, as published
+            table = str(cached)
+        else:
+            print(f"moend bench decode: no table at {cached}: the MoENDCache rows use the uniform plan "
+                  f"{args.uniform} (run `moend calibrate` for the solver's plan)", file=sys.stderr)
+    md, files, _ = bench_decode_section(args.model, settings, table_path=table, plan_path=args.plan, out=out,
                                         progress=not args.no_progress)
     print(md)
     _finish(args, "decode", md, files)
@@ -274,7 +284,8 @@ def register(subparsers: Any) -> None:
     d.add_argument("--steps", type=positive_int, default=16, help="measured decode steps (median; default 16)")
     d.add_argument("--warmup", type=int, default=3, help="warm-up decode steps (pay compilation; default 3)")
     d.add_argument("--methods", default="all", help=f"'all' or a comma list of {', '.join(METHODS)}")
-    d.add_argument("--table", default=None, help="sensitivity table: the MoENDCache plan is solved on it (greedy)")
+    d.add_argument("--table", default=None, help="sensitivity table: the MoENDCache plan is solved on it (greedy; "
+                   "default: the cached $MOEND_CACHE/tables/<model>-trig-2048.safetensors, else --uniform)")
     d.add_argument("--plan", default=None, help="plan JSON for the MoENDCache rows (instead of --table)")
     d.add_argument("--budget", default="14x", help="budget for --table (default 14x of the 16-bit cache)")
     d.add_argument("--uniform", default="0.25,4,4",
