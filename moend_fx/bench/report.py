@@ -94,12 +94,20 @@ def section_block(key: str, command: str, markdown: str, *, written: str | None 
     lines = [f"## {spec.title}", "", spec.about, "", "Regenerate with:", "", "```", command, "```", ""]
     if written:
         lines += [f"_Last run: {written}._", ""]
-    lines += [markdown.rstrip(), ""]
+    lines += [_demote(markdown.rstrip()), ""]
     for img in images:
         lines += [f"![{spec.title}]({img})", ""]
     if notes and notes.strip():
         lines += [notes.rstrip(), ""]
     return "\n".join(lines)
+
+
+def _demote(markdown: str, top: int = 3) -> str:
+    """Renumber the body's heading levels, in order, from ``top`` (the section title is level 2): a benchmark's
+    own report starts with "# ...", which must not become a second document title, and skipped levels close up."""
+    levels = sorted({len(m.group(1)) for m in re.finditer(r"^(#{1,6}) ", markdown, re.M)})
+    new = {lvl: min(6, top + i) for i, lvl in enumerate(levels)}
+    return re.sub(r"^(#{1,6}) ", lambda m: "#" * new[len(m.group(1))] + " ", markdown, flags=re.M)
 
 
 def notes_path(doc: Path, key: str) -> Path:

@@ -173,9 +173,11 @@ def test_render_results_appends_hand_written_notes(tmp_path):
     (doc.parent / "results-notes").mkdir(parents=True)
     (doc.parent / "results-notes" / "solvers.md").write_text("**Reading.** greedy is within 1% of exact.\n")
     res = tmp_path / "results"
-    write_section(res, "solvers", "moend bench solvers --out results", "| gap | 0.9 |")
+    write_section(res, "solvers", "moend bench solvers --out results", "# Solvers\n\n## Gaps\n\n| gap | 0.9 |")
     render_results(res, doc)
     block = existing_blocks(doc.read_text())["solvers"]
+    # the body's own headings sit below the section title (## ...), never as a second document title
+    assert "\n### Solvers\n" in block and "\n#### Gaps\n" in block and "\n# Solvers" not in block
     assert block.index("| gap | 0.9 |") < block.index("**Reading.** greedy is within 1% of exact.")
     # a re-render (as `moend bench all` does) keeps them exactly once
     render_results(res, doc)
