@@ -43,6 +43,7 @@ from moend_fx.eviction import BUDGET_MODES, Evicting, EvictionPolicy
 from moend_fx.graph_attention import packed_layer_attention
 from moend_fx.packed import PackedKV
 from moend_fx.plan import LayerConfig
+from moend_fx.prefill_inputs import check_prefill_tensors
 from moend_fx.quant import QuantizedTensor
 from moend_fx.scoring import Scorer, TrigScorer
 
@@ -286,34 +287,10 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         if self.packed is not None or self._staged is not None or self.logical:
             raise MoendError(f"{where}: load_prefill needs an empty layer; it already holds {self.logical} tokens "
                              "(build a fresh cache, or reset() it)")
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise MoendError(f"{where}: {name} must be a 4-D tensor [B, Hkv, T, D]; got {got}")
-        if keys.shape != values.shape:
-            raise MoendError(f"{where}: keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the "
-                             "same shape [B, Hkv, T, D] (same batch, KV heads, tokens T and head_dim)")
-        b, hkv, t, d = keys.shape
-        if t < 1 or b < 1:
-            raise MoendError(f"{where}: keys {tuple(keys.shape)} hold no tokens; allowed: B >= 1 and T >= 1")
-        if queries is None:
-            if self.config.evicts and _needs_queries(self.scorer):
-                raise MoendError(
-                    f"{where} ({self.config.name}) evicts with scorer {self.scorer.name!r}, which needs the "
-                    "prompt's last queries: pass queries (per layer [B, H, W, D] post-RoPE, e.g. recorded with "
-                    "moend_fx.eval.steps.QueryRecorder), or use scorer 'keynorm'/'streaming', or 'trig' with "
-                    "calibrated query_stats"
-                )
-        elif not isinstance(queries, torch.Tensor) or queries.dim() != 4:
-            got = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries).__name__
-            raise MoendError(f"{where}: queries must be a 4-D tensor [B, H, W, D] or None; got {got}")
-        else:
-            qb, h, w, qd = queries.shape
-            if qb != b or qd != d or h < hkv or h % hkv or not 1 <= w <= t:
-                raise MoendError(
-                    f"{where}: queries {tuple(queries.shape)} must be [B={b}, H, W, D={d}] with H a multiple of "
-                    f"Hkv={hkv} and 1 <= W <= T={t} (the last W prompt tokens' post-RoPE queries)"
-                )
+        needs = self.config.evicts and _needs_queries(self.scorer)
+        check_prefill_tensors(where, keys, values, queries, needs_queries=needs,
+                              scorer=getattr(self.scorer, "name", None), config=self.config.name)
+        b, t = keys.shape[0], keys.shape[2]
         self.lazy_initialization(keys, values)
         self.logical = t
         if queries is None:
