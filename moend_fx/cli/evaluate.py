@@ -69,9 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def default_table_path(model: str) -> Path:
-    from moend_fx.models import cache_root
+    """Where `moend calibrate` saves the model's 2048-token table (one definition: moend_fx.bench.suite)."""
+    from moend_fx.bench.suite import default_table_path as cached_table
 
-    return cache_root() / "tables" / DEFAULT_TABLE_NAME.format(model=Path(model).name.lower())
+    return cached_table(model, 2048)
 
 
 def run(args: argparse.Namespace) -> int:
