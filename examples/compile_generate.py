@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from moend_fx.calibrate import calibrate
-from moend_fx.generation import prepare
+from moend_fx.cache.generation import prepare
+from moend_fx.calibration.pipeline import calibrate
+from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.models import load_model, tiny_model
-from moend_fx.sensitivity import SensitivityTable
 from moend_fx.solvers import get_solver
 
 

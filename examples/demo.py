@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 import moend_fx
-from moend_fx.calibrate import calibrate, stale_reason
-from moend_fx.errors import MoendError
-from moend_fx.eval.tasks import make_examples, score
-from moend_fx.memory import format_bytes, full_cache_bytes, plan_layer_bytes
+from moend_fx.calibration.pipeline import calibrate, stale_reason
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError
+from moend_fx.eval.tasks.registry import make_examples, score
 from moend_fx.models import cache_root, load_model
-from moend_fx.plan import ModelFingerprint
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.plan.memory import format_bytes, full_cache_bytes, plan_layer_bytes
+from moend_fx.plan.routing import ModelFingerprint
 from moend_fx.solvers import get_solver
 
 

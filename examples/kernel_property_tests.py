@@ -3,8 +3,9 @@
     python -m pytest examples/kernel_property_tests.py -q
 
 Every fast path in moend_fx is checked the same way: random K/V are compressed into a PackedKV exactly as the
-cache stores them, and the fast op must agree with `moend_fx.attention.reference_attention` (dequantize the whole
-layer, plain softmax attention) within a tolerance written next to the assert, with the reason.
+cache stores them, and the fast op must agree with
+`moend_fx.attention.reference.reference_attention` (dequantize the whole layer, plain softmax attention)
+within a tolerance written next to the assert, with the reason.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moend_fx.attention import reference_attention
+from moend_fx.attention.reference import reference_attention
 from moend_fx.kernels import packed_attention, variant_name
-from moend_fx.packed import PackedKV
-from moend_fx.plan import LayerConfig
+from moend_fx.plan.routing import LayerConfig
+from moend_fx.storage.packed import PackedKV
 
 
 @settings(max_examples=20, deadline=None)

@@ -13,9 +13,9 @@ import argparse
 import torch
 
 import moend_fx
-from moend_fx.calibrate import calibrate
-from moend_fx.memory import format_bytes, full_cache_bytes
+from moend_fx.calibration.pipeline import calibrate
 from moend_fx.models import load_model
+from moend_fx.plan.memory import format_bytes, full_cache_bytes
 from moend_fx.solvers import get_solver
 
 

@@ -14,7 +14,7 @@ import json
 import sys
 
 from moend_fx.cli.solve import load_table
-from moend_fx.io import atomic_write_text
+from moend_fx.common.io import atomic_write_text
 from moend_fx.solvers.compare import bench_solvers, compare_solvers, markdown_table, write_comparison
 
 

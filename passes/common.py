@@ -52,8 +52,8 @@ _ELEMENTWISE_FUNCS: frozenset[Any] = frozenset({
 
 
 def dequantize_op() -> Any:
-    """``torch.ops.moend.dequantize`` (registered by ``moend_fx.quant``)."""
-    import moend_fx.quant  # noqa: F401  (registers the op)
+    """``torch.ops.moend.dequantize`` (registered by ``moend_fx.storage.quant``)."""
+    import moend_fx.storage.quant  # noqa: F401  (registers the op)
 
     return torch.ops.moend.dequantize
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from moend_fx.io import atomic_write_text
+from moend_fx.common.io import atomic_write_text
 
 log = logging.getLogger("moend_fx.passes")
 _graph_ids = itertools.count()

@@ -1,6 +1,6 @@
 """Pass 3: replace ``dequantize -> cat with residual -> SDPA`` with one ``moend.packed_attention`` node.
 
-The pattern (what :func:`moend_fx.graph_attention.packed_layer_attention` traces to)::
+The pattern (what :func:`moend_fx.attention.packed.packed_layer_attention` traces to)::
 
     k = cat([moend.dequantize(k_codes, k_scale, k_zero, kb, G, 0, D, dtype) | k_raw, k_res], dim=2)
     v = cat([moend.dequantize(v_codes, v_scale, v_zero, vb, G, 1, D, dtype) | v_raw, v_res], dim=2)
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moend_fx.errors import MoendError
-from moend_fx.quant import MODE_CHANNEL, MODE_TOKEN, packed_width
+from moend_fx.common.errors import MoendError
+from moend_fx.storage.quant import MODE_CHANNEL, MODE_TOKEN, packed_width
 
 from .common import (
     CAT_TARGETS,

@@ -12,7 +12,7 @@ Checks, per attention node (shapes from the nodes' fake tensors, ``meta["val"]``
 
 Must not fire when: no plan is given (``settings.plan is None``: nothing to check against), or the graph holds
 no attention node at all (e.g. the graph after a break that only runs ``lm_head``). It never changes the graph.
-Errors are :class:`moend_fx.errors.PlanError` naming the layer, the value found and the value planned.
+Errors are :class:`moend_fx.common.errors.PlanError` naming the layer, the value found and the value planned.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moend_fx.errors import PlanError
+from moend_fx.common.errors import PlanError
 
 from .common import (
     CAT_TARGETS,

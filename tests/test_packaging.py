@@ -40,7 +40,7 @@ def test_entry_points(wheel):
     ep = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     text = wheel.read(ep).decode()
     assert "moend = moend_fx.cli:main" in text
-    assert "[torch_dynamo_backends]" in text and "moend = moend_fx.backend:moend_backend" in text
+    assert "[torch_dynamo_backends]" in text and "moend = moend_fx.compile.backend:moend_backend" in text
 
 
 def test_editable_install_imports_passes_under_moend_fx():

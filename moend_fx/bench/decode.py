@@ -7,7 +7,7 @@ times. Methods (``METHODS``):
 
 * ``full_eager``: HF ``DynamicCache``, sdpa attention: the baseline every ratio is taken against;
 * ``full_inductor``: the same after ``model.compile()`` (inductor);
-* ``moend_eager``: :class:`~moend_fx.cache.MoENDCache` for the plan, reference attention;
+* ``moend_eager``: :class:`~moend_fx.cache.moend_cache.MoENDCache` for the plan, reference attention;
 * ``moend_compiled``: the same after ``model.compile(backend="moend", options={"plan": ...})``.
 
 A method that fails (e.g. the backend is missing or raises) gives a row with ``status="unavailable"`` and
@@ -43,10 +43,10 @@ from moend_fx.bench.probes import (
     rss_bytes,
     weight_bytes,
 )
-from moend_fx.errors import MoendError
-from moend_fx.generation import decode_compile_settings
-from moend_fx.memory import format_bytes, full_cache_bytes, plan_bytes
-from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.cache.generation import decode_compile_settings
+from moend_fx.common.errors import MoendError
+from moend_fx.plan.memory import format_bytes, full_cache_bytes, plan_bytes
+from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 
 METHODS: tuple[str, ...] = ("full_eager", "full_inductor", "moend_eager", "moend_compiled")
 BASELINE = "full_eager"
@@ -161,7 +161,7 @@ def _uncompile(model: Any) -> None:
 
 
 def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) -> None:
-    from moend_fx.generation import prepare, unprepare
+    from moend_fx.cache.generation import prepare, unprepare
 
     _uncompile(model)
     first = next(iter(m.plans.values()), None)
@@ -172,7 +172,7 @@ def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) ->
     if m.compile_backend == "inductor":
         model.compile()
     elif m.compile_backend == "moend":
-        import moend_fx.backend  # noqa: F401  (registers the backend; also found via the entry point)
+        import moend_fx.compile.backend  # noqa: F401  (registers the backend; also found via the entry point)
 
         assert first is not None, "the moend backend runs on a MoENDCache method"
         same = all(p.layers == first.layers for p in m.plans.values())
@@ -183,7 +183,7 @@ def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) ->
 
 
 def _teardown(model: Any) -> None:
-    from moend_fx.generation import unprepare
+    from moend_fx.cache.generation import unprepare
 
     _uncompile(model)
     unprepare(model)
@@ -194,9 +194,9 @@ def _new_cache(model: Any, m: _Method, length: int, table: Any) -> Any:
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
-    from moend_fx.cache import MoENDCache
-    from moend_fx.generation import _stats_from_table
-    from moend_fx.rope import rope_from_model
+    from moend_fx.cache.generation import _stats_from_table
+    from moend_fx.cache.moend_cache import MoENDCache
+    from moend_fx.eviction.rope import rope_from_model
 
     plan = m.plans[length]
     stats = _stats_from_table(table, plan.num_layers) if table is not None else None

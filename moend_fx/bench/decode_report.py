@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moend_fx.io import atomic_save_figure, atomic_write_text
-from moend_fx.memory import format_bytes
+from moend_fx.common.io import atomic_save_figure, atomic_write_text
+from moend_fx.plan.memory import format_bytes
 
 
 def _mb(x: int | None) -> str:

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moend_fx.errors import MoendError
-from moend_fx.io import atomic_write_bytes, atomic_write_text
+from moend_fx.common.errors import MoendError
+from moend_fx.common.io import atomic_write_bytes, atomic_write_text
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from moend_fx.errors import MoendError
-from moend_fx.io import atomic_save_figure, atomic_write_text
+from moend_fx.common.errors import MoendError
+from moend_fx.common.io import atomic_save_figure, atomic_write_text
 
 Files = dict[str, Path]
 
@@ -30,8 +30,8 @@ def default_table_path(model: str = "smollm2-135m", tokens: int = 2048) -> Path:
 
 def _model_and_table(model_name: str, table_path: Path) -> tuple[Any, Any, Any]:
     """The model, its tokenizer and a sensitivity table that exists (a clear error otherwise)."""
+    from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.models import load_model
-    from moend_fx.sensitivity import SensitivityTable
 
     if not table_path.is_file():
         raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
@@ -82,8 +82,8 @@ def bench_solvers_section(table_spec: str, budgets: Sequence[str], *, trials: Se
 
 def bench_calibrate_section(model_name: str, *, tokens: int = 2048, sequences: int = 1,
                             out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
-    """Time :func:`moend_fx.calibrate.calibrate` (one prefill, then every grid config per layer)."""
-    from moend_fx.calibrate import calibrate
+    """Time :func:`moend_fx.calibration.pipeline.calibrate` (one prefill, then every grid config per layer)."""
+    from moend_fx.calibration.pipeline import calibrate
     from moend_fx.models import load_model
 
     t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def bench_decode_section(model_name: str, settings: Any, *, table_path: str | No
 
         table = load_table(table_path)
     if plan_path:
-        from moend_fx.plan import RoutingPlan
+        from moend_fx.plan.routing import RoutingPlan
 
         if not Path(plan_path).is_file():
             raise MoendError(f"plan file {plan_path!r} does not exist")

@@ -2,7 +2,7 @@
 
 Each module in ``SUBCOMMAND_MODULES`` defines ``register(subparsers) -> None``, which adds its subcommands
 with ``set_defaults(func=handler)``; a handler takes the parsed ``argparse.Namespace`` and returns an exit
-code. User mistakes raise :class:`moend_fx.errors.MoendError`: printed as one line, exit code 2.
+code. User mistakes raise :class:`moend_fx.common.errors.MoendError`: printed as one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 # Order = order in `moend --help`. A module that fails to import is a bug, not a user error: let it raise.
 SUBCOMMAND_MODULES: tuple[str, ...] = (

@@ -17,7 +17,7 @@ from typing import Any
 
 from moend_fx.bench.report import KEYS, render_results, write_section
 from moend_fx.cli.args import positive_int
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 DEFAULT_OUT = "results/bench"
 DEFAULT_DOC = "docs/results.md"
@@ -121,7 +121,7 @@ def _doc_path(args: argparse.Namespace) -> Path | None:
 def cmd_decode(args: argparse.Namespace) -> int:
     from moend_fx.bench.decode import DecodeBenchSettings, parse_methods
     from moend_fx.bench.suite import bench_decode_section
-    from moend_fx.plan import LayerConfig
+    from moend_fx.plan.routing import LayerConfig
 
     _threads(args)
     parts = _csv(args.uniform)

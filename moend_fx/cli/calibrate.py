@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.cli.args import positive_int
-from moend_fx.plan import ALLOWED_SCORERS
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.plan.routing import ALLOWED_SCORERS
 
 
 def default_table_path(model: str, scorer: str, tokens: int) -> Path:
@@ -27,7 +27,7 @@ def default_table_path(model: str, scorer: str, tokens: int) -> Path:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from moend_fx.calibrate import calibrate
+    from moend_fx.calibration.pipeline import calibrate
     from moend_fx.models import load_model
 
     if args.threads:
@@ -78,7 +78,7 @@ def table_text(table: SensitivityTable) -> str:
 
 
 def _cfg(keep: float, kb: int, vb: int) -> Any:
-    from moend_fx.plan import LayerConfig
+    from moend_fx.plan.routing import LayerConfig
 
     return LayerConfig(keep, kb, vb)
 
@@ -91,7 +91,7 @@ def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moend_fx.io import atomic_save_figure
+    from moend_fx.common.io import atomic_save_figure
 
     S = table.S
     floor = S[S > 0].min() if (S > 0).any() else 1e-12

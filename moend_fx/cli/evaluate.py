@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 DEFAULT_TABLE_NAME = "{model}-trig-2048.safetensors"
 
@@ -35,7 +35,7 @@ _ints.__name__ = "comma-separated integers"  # argparse names the type in its er
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from moend_fx.eval.methods import DEFAULT_METHODS, METHODS
-    from moend_fx.eval.tasks import SETTINGS, TASKS
+    from moend_fx.eval.tasks.registry import SETTINGS, TASKS
 
     p = subparsers.add_parser(
         "eval", help="long-context accuracy of compression methods at matched measured memory",
@@ -78,13 +78,13 @@ def default_table_path(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moend_fx.calibrate import stale_reason
-    from moend_fx.errors import TableError
+    from moend_fx.calibration.pipeline import stale_reason
+    from moend_fx.calibration.sensitivity import SensitivityTable
+    from moend_fx.common.errors import TableError
     from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
     from moend_fx.models import load_model
-    from moend_fx.sensitivity import SensitivityTable
 
     cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     result = runner.run(args.out, resume=not args.no_resume)
     cont = []
     if args.continuation > 0:
-        from moend_fx.calib_data import token_sequences
+        from moend_fx.calibration.data import token_sequences
         from moend_fx.eval.continuation import continuation_eval
 
         for length in cfg.lengths:

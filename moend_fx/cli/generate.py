@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moend_fx.errors import MoendError, PlanError
+from moend_fx.common.errors import MoendError, PlanError
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -38,12 +38,12 @@ def read_prompt(args: argparse.Namespace) -> str:
 def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, str]:
     """(table, where it came from): --table, the cached 2048-token table, a cached quick one, or calibrate."""
     from moend_fx.bench.suite import default_table_path
+    from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.cli.solve import load_table
-    from moend_fx.sensitivity import SensitivityTable
 
     if args.table is not None:
         return load_table(args.table), args.table
-    from moend_fx.calibrate import calibrate, stale_reason
+    from moend_fx.calibration.pipeline import calibrate, stale_reason
 
     for tokens in (2048, args.calib_tokens):
         path = default_table_path(args.model, tokens)
@@ -64,7 +64,7 @@ def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[An
 
 def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_length: int) -> tuple[Any, Any, str]:
     """(plan, table or None, a sentence saying where the plan came from)."""
-    from moend_fx.plan import RoutingPlan
+    from moend_fx.plan.routing import RoutingPlan
     from moend_fx.solvers import get_solver
 
     if args.plan is not None:
@@ -82,7 +82,7 @@ def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_lengt
 
 
 def plan_fp(model: Any) -> Any:
-    from moend_fx.plan import ModelFingerprint
+    from moend_fx.plan.routing import ModelFingerprint
 
     return ModelFingerprint.from_model(model)
 
@@ -91,9 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from moend_fx.bench.decode import plan_summary
-    from moend_fx.generation import prepare
-    from moend_fx.memory import format_bytes, full_cache_bytes
+    from moend_fx.cache.generation import prepare
     from moend_fx.models import load_model
+    from moend_fx.plan.memory import format_bytes, full_cache_bytes
 
     if args.max_new_tokens <= 0:
         raise MoendError(f"--max-new-tokens={args.max_new_tokens} is invalid; allowed: a positive integer")
@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     plan, table, source = get_plan(args, model, tok, n_prompt + args.max_new_tokens)
     prepare(model, plan, table=table)
     if args.compile:
-        import moend_fx.backend  # noqa: F401  (registers the backend; the entry point finds it too)
+        import moend_fx.compile.backend  # noqa: F401  (registers the backend; the entry point finds it too)
 
         model.compile(backend="moend", options={"plan": plan})
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moend_fx.errors import MoendError, TableError
-from moend_fx.memory import format_bytes
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError, TableError
+from moend_fx.plan.memory import format_bytes
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import SolveResult, full_cache_figures
 

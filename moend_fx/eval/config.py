@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 from moend_fx.eval.methods import (
     METHODS,
 )
-from moend_fx.eval.tasks import SETTINGS, TASKS
-from moend_fx.scoring import SCORERS
+from moend_fx.eval.tasks.registry import SETTINGS, TASKS
+from moend_fx.eviction.scoring import SCORERS
 
 # --------------------------------------------------------------------------------------------- config
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from moend_fx.errors import MoendError
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import (
     METHODS,
@@ -17,10 +18,9 @@ from moend_fx.eval.methods import (
     check_methods,
 )
 from moend_fx.eval.steps import _device, eval_attention_on, prefill
-from moend_fx.memory import full_cache_bytes
-from moend_fx.plan import ModelFingerprint
-from moend_fx.rope import rope_from_model
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.eviction.rope import rope_from_model
+from moend_fx.plan.memory import full_cache_bytes
+from moend_fx.plan.routing import ModelFingerprint
 
 # --------------------------------------------------------------------------------------------- continuation
 

@@ -9,7 +9,7 @@ that estimate query statistics). Each method then builds its cache from the *sam
   fed the prefill K/V exactly as its own ``update`` would be during a prefill. ``hf_quant4`` needs
   optimum-quanto; when it is absent the method is reported unavailable (never silently dropped).
 * ``1d``, ``2d_uniform``, ``2d``, ``pyramid``, ``2d_hetero`` (greedy), ``2d_hetero_exact`` (exact) and
-  ``lossless``: a :class:`~moend_fx.cache.MoENDCache` whose plan comes from the solver of the same family
+  ``lossless``: a :class:`~moend_fx.cache.moend_cache.MoENDCache` whose plan comes from the solver of the same family
   on the calibrated table, solved for the example's own context length (:class:`PlanBook` caches plans
   per (method, budget, length)).
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from moend_fx.cache import MoENDCache
-from moend_fx.errors import BudgetError, MoendError
-from moend_fx.memory import parse_budget
-from moend_fx.plan import LayerConfig, RoutingPlan
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.cache.moend_cache import MoENDCache
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import BudgetError, MoendError
+from moend_fx.plan.memory import parse_budget
+from moend_fx.plan.routing import LayerConfig, RoutingPlan
 from moend_fx.solvers import get_solver
 
 

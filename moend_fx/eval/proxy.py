@@ -2,13 +2,13 @@
 
 For each held-out sequence (context of ``tokens`` tokens + a teacher-forced continuation of
 ``continuation`` tokens, text the calibration never saw: the ``"heldout"`` split of
-:mod:`moend_fx.calib_data` with its own seed):
+:mod:`moend_fx.calibration.data` with its own seed):
 
 1. Prefill the context once at full precision, capturing every layer's K/V and last-``window`` queries
    (the prefill itself is never compressed, as in the cache).
 2. For a plan, compress each layer's context K/V as the cache does: score with the table's scorer
    (``trig`` with the table's calibrated query statistics), keep ``keep_count(T, keep)`` tokens per KV
-   head (sinks, recent window, best scores), quantize the kept K/V with :class:`~moend_fx.packed.PackedKV`
+   head (sinks, recent window, best scores), quantize the kept K/V with :class:`~moend_fx.storage.packed.PackedKV`
    (residual window in full precision) and dequantize.
 3. Run the continuation tokens (positions ``T .. T+M-1``) through the model with an attention function
    in which they attend to the compressed context plus, causally, their own K/V at full precision.
@@ -36,17 +36,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from moend_fx.attention import attention_dense
-from moend_fx.calib_data import token_sequences
-from moend_fx.calibrate import _body, _kept, build_scorer
-from moend_fx.capture import AttentionCapture, LayerCapture, attention_override
-from moend_fx.errors import BudgetError, MoendError
-from moend_fx.io import atomic_write_text
-from moend_fx.memory import full_cache_bytes, plan_bytes
-from moend_fx.packed import PackedKV
-from moend_fx.plan import LayerConfig, RoutingPlan
-from moend_fx.rope import rope_from_model
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.attention.reference import attention_dense
+from moend_fx.calibration.capture import AttentionCapture, LayerCapture, attention_override
+from moend_fx.calibration.data import token_sequences
+from moend_fx.calibration.pipeline import _body, _kept, build_scorer
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import BudgetError, MoendError
+from moend_fx.common.io import atomic_write_text
+from moend_fx.eviction.rope import rope_from_model
+from moend_fx.plan.memory import full_cache_bytes, plan_bytes
+from moend_fx.plan.routing import LayerConfig, RoutingPlan
+from moend_fx.storage.packed import PackedKV
 
 # The paper's per-layer spread (max/min across layers of S), Table/Figure in arXiv 2604.17695.
 PAPER_SPREAD: tuple[tuple[str, LayerConfig, float], ...] = (

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
+from moend_fx.common.io import atomic_save_figure, atomic_write_text
 from moend_fx.eval.stats import summarize
-from moend_fx.io import atomic_save_figure, atomic_write_text
-from moend_fx.memory import format_bytes
+from moend_fx.plan.memory import format_bytes
 
 AVG = "avg"
 # Row order in tables: references first, then the paper's ablation chain (== moend_fx.eval.methods.METHODS).

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from moend_fx.errors import MoendError
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError
+from moend_fx.common.io import atomic_write_text
 from moend_fx.eval.config import EvalConfig, EvalResult
 from moend_fx.eval.methods import (
     METHODS,
@@ -48,12 +50,10 @@ from moend_fx.eval.steps import (
     prefill,
     stop_reason,
 )
-from moend_fx.eval.tasks import Example, make_examples, score
-from moend_fx.io import atomic_write_text
-from moend_fx.memory import full_cache_bytes, parse_budget
-from moend_fx.plan import ModelFingerprint
-from moend_fx.rope import rope_from_model
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.eval.tasks.registry import Example, make_examples, score
+from moend_fx.eviction.rope import rope_from_model
+from moend_fx.plan.memory import full_cache_bytes, parse_budget
+from moend_fx.plan.routing import ModelFingerprint
 
 # --------------------------------------------------------------------------------------------- runner
 

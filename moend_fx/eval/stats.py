@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 

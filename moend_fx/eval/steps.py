@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from moend_fx.errors import MoendError
+from moend_fx.cache.hf_attention import moend_attention
+from moend_fx.common.errors import MoendError
 from moend_fx.eval.methods import (
     PrefillState,
 )
-from moend_fx.eval.tasks import Example, candidates
-from moend_fx.hf_attention import moend_attention
+from moend_fx.eval.tasks.registry import Example, candidates
 
 EVAL_ATTN = "moend_eval"
 

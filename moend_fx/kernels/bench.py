@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moend_fx.io import atomic_write_text
+from moend_fx.common.io import atomic_write_text
 from moend_fx.kernels import cpu
 from moend_fx.kernels.ops import packed_attention
-from moend_fx.packed import PackedKV
-from moend_fx.plan import LayerConfig
+from moend_fx.plan.routing import LayerConfig
+from moend_fx.storage.packed import PackedKV
 
 ROTATE_BYTES = 96 * 2**20  # more than the last-level cache, so rotated copies come from DRAM
 

@@ -5,10 +5,10 @@ One op, three implementations behind it:
 * CPU tensors: the C++ kernel (``moend_attn.cpp``, built once and cached by :mod:`moend_fx.kernels.cpu`);
   if it did not build, the reference (with one warning). Never crashes for want of a compiler.
 * CUDA tensors: the Triton decode kernel (:mod:`moend_fx.kernels.triton_decode`).
-* The reference (dequantize the layer, then ``moend_fx.attention.attention_dense``): the oracle the other
+* The reference (dequantize the layer, then ``moend_fx.attention.reference.attention_dense``): the oracle the other
   two are tested against, also used for inputs a fast path does not cover.
 
-``packed_attention(q, layer)`` is the Python entry point that takes a :class:`~moend_fx.packed.PackedKV`.
+``packed_attention(q, layer)`` is the Python entry point that takes a :class:`~moend_fx.storage.packed.PackedKV`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import sys
 
 import torch
 
-from moend_fx.attention import attention_dense
-from moend_fx.errors import MoendError
+from moend_fx.attention.reference import attention_dense
+from moend_fx.common.errors import MoendError
 from moend_fx.kernels import cpu
 from moend_fx.kernels.variants import check_bits, check_kernel
-from moend_fx.packed import PackedKV
-from moend_fx.quant import MODE_CHANNEL, MODE_TOKEN, dequantize_reference, packed_width
+from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.quant import MODE_CHANNEL, MODE_TOKEN, dequantize_reference, packed_width
 
 _RAW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 
 @triton.jit

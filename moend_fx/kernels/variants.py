@@ -6,7 +6,7 @@ used in logs, benchmark tables and the names of the FX nodes the ``moend`` backe
 
 from __future__ import annotations
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 
 BITS: tuple[int, ...] = (2, 4, 8, 16)
 KERNELS: tuple[str, ...] = ("auto", "cpu", "triton", "reference")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 from moend_fx.solvers.base import ArraySolution, Solver, SolveResult
 from moend_fx.solvers.exact import ExactSolver
 from moend_fx.solvers.greedy import GreedySolver

@@ -4,7 +4,7 @@ A solver sees the problem as arrays: ``S`` [L, C] float64 (predicted loss of con
 int64 (bytes of config c on layer l, from the memory model) and one byte budget ``W``; it picks one config
 index per layer minimising ``sum_l S[l, c_l]`` subject to ``sum_l B[l, c_l] <= W`` (a multiple-choice
 knapsack). :class:`Solver` does the common work (budget parsing, the feasibility check, timing, building the
-:class:`~moend_fx.plan.RoutingPlan`); each solver implements :meth:`Solver.solve_arrays`.
+:class:`~moend_fx.plan.routing.RoutingPlan`); each solver implements :meth:`Solver.solve_arrays`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from moend_fx.errors import BudgetError, MoendError
-from moend_fx.memory import Budget, format_bytes, full_cache_bytes, parse_budget
-from moend_fx.plan import Grid, RoutingPlan
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import BudgetError, MoendError
+from moend_fx.plan.memory import Budget, format_bytes, full_cache_bytes, parse_budget
+from moend_fx.plan.routing import Grid, RoutingPlan
 
 
 @dataclass(frozen=True)

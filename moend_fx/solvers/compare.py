@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moend_fx.errors import MoendError
-from moend_fx.io import atomic_save_figure, atomic_write_text
-from moend_fx.memory import format_bytes, parse_budget
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError
+from moend_fx.common.io import atomic_save_figure, atomic_write_text
+from moend_fx.plan.memory import format_bytes, parse_budget
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.base import full_cache_figures
 

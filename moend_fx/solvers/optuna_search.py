@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from moend_fx.errors import MoendError
-from moend_fx.plan import Grid
+from moend_fx.common.errors import MoendError
+from moend_fx.plan.routing import Grid
 from moend_fx.solvers.base import (
     ArraySolution,
     Solver,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moend_fx.plan import Grid, ModelFingerprint
-from moend_fx.sensitivity import SensitivityTable
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.plan.routing import Grid, ModelFingerprint
 
 # (median factor, max/min spread across layers) per component; medians put S in the range of a relative L2
 # error of an attention output (evict 90% ~0.1-0.5 on sensitive layers, K8 ~0.01, V4 ~0.1).

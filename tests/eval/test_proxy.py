@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from moend_fx.calibrate import calibrate
-from moend_fx.errors import MoendError, TableError
+from moend_fx.calibration.pipeline import calibrate
+from moend_fx.common.errors import MoendError, TableError
 from moend_fx.eval.proxy import (
     HeldOutSequence,
     ProxySettings,
@@ -23,7 +23,7 @@ from moend_fx.eval.proxy import (
     write_report,
 )
 from moend_fx.models import tiny_model
-from moend_fx.plan import Grid, LayerConfig
+from moend_fx.plan.routing import Grid, LayerConfig
 
 TINY = dict(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32)
 GRID = Grid((0.25, 0.5, 1.0), (16, 4), (16, 4))

@@ -12,9 +12,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moend_fx.graph_attention import packed_layer_attention
-from moend_fx.packed import PackedKV
-from moend_fx.plan import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.attention.packed import packed_layer_attention
+from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.storage.packed import PackedKV
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 8, 32
 CONFIGS = {

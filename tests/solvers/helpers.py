@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 from hypothesis import strategies as st
 
-from moend_fx.plan import Grid
+from moend_fx.plan.routing import Grid
 from moend_fx.solvers.synthetic import synthetic_table
 
 SMALL_GRID = Grid(keep_ratios=(0.25, 0.5, 1.0), k_bits=(16, 4), v_bits=(16, 4))  # 12 configs

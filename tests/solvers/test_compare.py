@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from moend_fx.errors import MoendError
+from moend_fx.common.errors import MoendError
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.compare import bench_solvers, compare_solvers, markdown_table, write_comparison
 from tests.solvers.helpers import small_table

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moend_fx.errors import BudgetError
-from moend_fx.memory import format_bytes
+from moend_fx.common.errors import BudgetError
+from moend_fx.plan.memory import format_bytes
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.base import plan_bytes_of, plan_loss
 from moend_fx.solvers.exact import exact_indices, lower_hull, pareto_configs

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from moend_fx.errors import BudgetError
+from moend_fx.common.errors import BudgetError
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.base import plan_bytes_of, plan_loss
 from moend_fx.solvers.exact import exact_indices

@@ -4,7 +4,7 @@ import numpy as np
 import optuna
 import pytest
 
-from moend_fx.errors import BudgetError, MoendError
+from moend_fx.common.errors import BudgetError, MoendError
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.optuna_search import OptunaSolver, repair_by_bytes, resolve_storage
 from tests.solvers import optuna_worker

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moend_fx.plan import Grid, LayerConfig
+from moend_fx.plan.routing import Grid, LayerConfig
 from moend_fx.solvers.synthetic import synthetic_table
 
 

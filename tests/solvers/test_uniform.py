@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moend_fx.errors import BudgetError, PlanError
-from moend_fx.plan import Grid
+from moend_fx.common.errors import BudgetError, PlanError
+from moend_fx.plan.routing import Grid
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.uniform import pyramid_keeps, snap_down
 from tests.solvers.helpers import small_table

@@ -1,0 +1,4 @@
+"""Attention over a layer's storage.
+
+``reference``: the plain eager attention every fast path is tested against (the oracle). ``packed``: attention
+over a PackedKV written as the dequantize -> attention pattern the compile backend finds and fuses."""

@@ -1,0 +1,163 @@
+"""``moend_fx.prepare(model, plan)``: make ``model.generate(...)`` use a fresh MoENDCache for the plan.
+
+The hook: generate builds its cache in ``GenerationMixin._prepare_cache_for_generation``. ``prepare``
+shadows that method on the *instance* (the class and other models are untouched): when the caller passed
+no cache, asked for no ``cache_implementation`` and did not disable caching, it puts a new
+:class:`MoENDCache` in ``model_kwargs["cache"]``; otherwise it defers to the original method. It also
+sets the attention implementation to "moend". Calling ``prepare`` again replaces the settings;
+:func:`unprepare` restores the model.
+
+For a compiled model (``model.compile(backend="moend")``) two more instance methods are shadowed:
+
+* ``prepare_inputs_for_generation`` first calls :meth:`MoENDCache.before_step` on the generate cache, outside
+  the compiled region: the previous decode step's deferred eviction runs there, and the cache tensors' token
+  axis is marked dynamic (no recompile per cache size);
+* ``_prefill`` runs under ``torch.compiler.set_stance("force_eager")`` (unless ``compile_prefill=True``): the
+  prompt's SDPA + eviction + compression is eager code with data-dependent sizes, and a prompt-length graph
+  would be used once. Only decode steps run the compiled graph, so ``fullgraph=True`` holds for them;
+* ``generate`` runs under :func:`decode_compile_settings`, so the decode graph is traced with the cache's
+  logical length as a symbolic int and without 0/1 specialisation of the cache sizes: two decode graphs
+  (a step that flushes a group of G tokens into packed codes, and one that does not) serve every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from moend_fx.cache.hf_attention import ATTN_NAME
+from moend_fx.cache.moend_cache import MoENDCache, _layer_stats  # noqa: F401  (import registers "moend" attention)
+from moend_fx.common.errors import MoendError
+from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.plan.routing import RoutingPlan
+
+_STATE = "_moend_prepared"
+# The cache layers' logical length (an int attribute read by the mask and position code of the decode step).
+_DYNAMIC_INTS = r".*\.layers\[\d+\]\.logical$"
+
+
+@contextlib.contextmanager
+def decode_compile_settings() -> Iterator[None]:
+    """Compiler settings under which a compiled decode step over a :class:`MoENDCache` needs no recompile as the
+    cache grows (measured: 2 graphs over 200 decode steps instead of 7; ``docs/compile.md``):
+
+    * ``torch.compiler.config.dynamic_sources`` gets the layers' ``logical`` length: symbolic from the first
+      decode graph (else the first graph is specialised to the prompt length and recompiled at step 2);
+    * ``backed_size_oblivious``: cache sizes marked dynamic (``MoENDCache.before_step``) are not specialised at
+      0 or 1 (an empty residual window right after a flush, a first packed group).
+
+    Prepared models' ``generate`` runs under it; use it yourself around a hand-written decode loop.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    sources = torch.compiler.config.dynamic_sources
+    sources = f"{sources},{_DYNAMIC_INTS}" if sources else _DYNAMIC_INTS
+    with torch.compiler.config.patch(dynamic_sources=sources), fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+def _stats_from_table(table: Any, num_layers: int) -> list[QueryStats | None] | None:
+    """Per-layer calibrated QueryStats of a SensitivityTable (None if it has none)."""
+    if not table.has_stats():
+        return None
+    return [table.layer_stats(layer) for layer in range(num_layers)]
+
+
+def _find_cache(args: tuple, kwargs: dict) -> MoENDCache | None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        cache = next((a for a in args if isinstance(a, MoENDCache)), None)
+    return cache if isinstance(cache, MoENDCache) else None
+
+
+def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill: bool = False,
+            **cache_kw: Any) -> Any:
+    """Check ``plan`` against ``model``, switch attention to "moend", and make ``model.generate`` build a
+    :class:`MoENDCache(plan, rope=rope_from_model(model), query_stats=..., **cache_kw)` per call.
+
+    table: optional SensitivityTable whose calibrated query stats feed the trig scorer.
+    compile_prefill: run the prefill through a compiled forward too (default False: eager prefill, compiled
+    decode steps; see the module docstring).
+    cache_kw: MoENDCache options (scorer, evict_every, budget_mode, window, attention_fn, ...).
+    Returns the model.
+    """
+    if not isinstance(plan, RoutingPlan):
+        raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
+    if not isinstance(compile_prefill, bool):
+        raise MoendError(f"compile_prefill={compile_prefill!r} is invalid; allowed: True or False")
+    if not hasattr(model, "_prepare_cache_for_generation") or not hasattr(model, "_prefill"):
+        raise MoendError(f"model {type(model).__name__} is not a Hugging Face generation model")
+    plan.check_model(model)
+    if table is not None:
+        fp_mismatch = plan.fingerprint.mismatch(table.fingerprint, "plan")
+        if fp_mismatch:
+            raise MoendError(f"table and plan disagree: {fp_mismatch}")
+    kw = dict(cache_kw)
+    try:
+        kw.setdefault("rope", rope_from_model(model))
+    except MoendError:
+        if (kw.get("scorer") or plan.scorer) == "trig" and any(c.evicts for c in plan.layers):
+            raise
+    if table is not None and "query_stats" not in kw:
+        kw["query_stats"] = _stats_from_table(table, plan.num_layers)
+    MoENDCache(plan, **kw)  # fail now, not inside generate, on bad options
+
+    state = getattr(model, _STATE, None)
+    if state is None:
+        original = model._prepare_cache_for_generation
+        state = {"original": original, "attn": model.config._attn_implementation}
+
+        def _prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+            st = getattr(self, _STATE)
+            if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                    and generation_config.cache_implementation is None):
+                model_kwargs["cache"] = MoENDCache(st["plan"], **st["cache_kw"])
+                return None
+            return st["original"](generation_config, model_kwargs, *args, **kwargs)
+
+        def _prepare_inputs(self: Any, *args: Any, **kwargs: Any):
+            cache = _find_cache(args, kwargs)
+            if cache is not None:
+                cache.before_step()
+            return getattr(self, _STATE)["prepare_inputs"](*args, **kwargs)
+
+        def _prefill(self: Any, *args: Any, **kwargs: Any):
+            st = getattr(self, _STATE)
+            if st["compile_prefill"]:
+                return st["prefill"](*args, **kwargs)
+            with torch.compiler.set_stance("force_eager"):
+                return st["prefill"](*args, **kwargs)
+
+        def _generate(self: Any, *args: Any, **kwargs: Any):
+            with decode_compile_settings():
+                return getattr(self, _STATE)["generate"](*args, **kwargs)
+
+        state["generate"] = model.generate
+        state["prepare_inputs"] = model.prepare_inputs_for_generation
+        state["prefill"] = model._prefill
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
+        model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs, model)
+        model._prefill = types.MethodType(_prefill, model)
+        model.generate = types.MethodType(_generate, model)
+        setattr(model, _STATE, state)
+    state["plan"], state["cache_kw"], state["compile_prefill"] = plan, kw, compile_prefill
+    model.moend_plan = plan
+    model.set_attn_implementation(ATTN_NAME)
+    return model
+
+
+def unprepare(model: Any) -> Any:
+    """Undo :func:`prepare`: the original generate cache and attention implementation."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    for name in ("_prepare_cache_for_generation", "prepare_inputs_for_generation", "_prefill", "generate",
+                 "moend_plan"):
+        model.__dict__.pop(name, None)  # the instance attributes; the class methods show again
+    delattr(model, _STATE)
+    model.set_attn_implementation(state["attn"])
+    return model

@@ -1,0 +1,214 @@
+"""MoENDCache: a Hugging Face ``Cache`` of heterogeneous compressed layers, one per transformer layer.
+
+Each layer (:class:`moend_fx.cache.layer.MoENDLayer`) stores its own kept tokens, K/V bit widths and
+original positions in a :class:`moend_fx.storage.packed.PackedKV`. Attention over it is computed by the "moend"
+attention function (``moend_fx.cache.hf_attention``, registered on import of this module), so::
+
+    model.set_attn_implementation("moend")
+    model.generate(ids, cache=MoENDCache(plan, rope=rope_from_model(model)))
+
+or simply ``moend_fx.prepare(model, plan)`` then ``model.generate(ids)``. See ``docs/cache.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from transformers.cache_utils import Cache
+
+import moend_fx.cache.hf_attention  # noqa: F401  (registers the "moend" attention function)
+from moend_fx.cache.layer import BUDGET_MODES, EvictionPolicy, MoENDLayer, PackedAttention
+from moend_fx.common.errors import MoendError
+from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.scoring import SCORERS, Scorer, get_scorer
+from moend_fx.plan.memory import dtype_bytes, keep_count, keep_floor, layer_bytes
+from moend_fx.plan.routing import RoutingPlan
+
+
+class CacheBytes(NamedTuple):
+    """Measured bytes: ``per_layer`` (one int per layer) and their ``total``."""
+
+    per_layer: list[int]
+    total: int
+
+
+def _layer_stats(query_stats: Any, layer: int) -> QueryStats | None:
+    """Calibrated query stats of one layer from a list/tuple or a {layer: QueryStats} mapping (or None)."""
+    if query_stats is None:
+        return None
+    if isinstance(query_stats, Mapping):
+        stats = query_stats.get(layer, query_stats.get(str(layer)))
+    elif isinstance(query_stats, Sequence):
+        stats = query_stats[layer] if layer < len(query_stats) else None
+    else:
+        raise MoendError(f"query_stats must be a list or a {{layer: QueryStats}} dict; got {type(query_stats)}")
+    if stats is not None and not isinstance(stats, QueryStats):
+        raise MoendError(f"query_stats[{layer}] must be a QueryStats; got {type(stats).__name__}")
+    return stats
+
+
+def build_scorer(name_or_scorer: str | Scorer, *, rope: RopeSpec | None, stats: QueryStats | None,
+                 **scorer_kw: Any) -> Scorer:
+    """A scorer instance for one layer. ``trig`` gets ``rope`` and the layer's calibrated ``stats``."""
+    if isinstance(name_or_scorer, Scorer):
+        return name_or_scorer
+    if not isinstance(name_or_scorer, str) or name_or_scorer not in SCORERS:
+        raise MoendError(f"scorer={name_or_scorer!r} is unknown; allowed: {sorted(SCORERS)} or a Scorer instance")
+    if name_or_scorer == "trig":
+        if rope is None:
+            raise MoendError(
+                "the trig scorer needs rope=RopeSpec: use moend_fx.prepare(model, plan), or pass "
+                "rope=moend_fx.eviction.rope.rope_from_model(model) (or pick another scorer, e.g. scorer='snapkv')"
+            )
+        return get_scorer("trig", rope=rope, stats=stats, **scorer_kw)
+    return get_scorer(name_or_scorer, **scorer_kw)
+
+
+class MoENDCache(Cache):
+    """Compressed KV cache for one :class:`RoutingPlan` (one :class:`MoENDLayer` per model layer).
+
+    plan: per-layer (keep_ratio, k_bits, v_bits), group size, scorer name, sinks / recent tokens.
+    scorer: overrides ``plan.scorer`` (a name or a :class:`Scorer` used on every layer).
+    rope: the model's RoPE (needed by ``trig``); query_stats: calibrated per-layer :class:`QueryStats`
+    (list or ``{layer: stats}``); without them ``trig`` estimates them from the last ``window`` queries.
+    evict_every: decode steps between evictions; budget_mode: "ratio" (keep_ratio of the tokens seen) or
+    "capacity" (at most ``max(keep_count(plan.context_length, keep_ratio), floor)`` tokens per evicting layer).
+    An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
+    has, when fewer): ``keep_count(T, keep_ratio, floor)``, which the memory model (``plan_bytes``) uses too.
+    attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.packed.packed_layer_attention`:
+    SDPA over the dequantized layer, the pattern the ``moend`` backend fuses; pass
+    :func:`moend_fx.attention.reference.reference_attention` for the fp32 oracle), the one function a fused
+    backend swaps.
+
+    :meth:`from_prefill` builds the cache a prefill through the "moend" attention would leave from a
+    full-precision prefill's K/V (and its last queries) without recomputing attention.
+    """
+
+    def __init__(
+        self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
+        query_stats: Any = None, evict_every: int = 128, budget_mode: str = "ratio", window: int = 32,
+        attention_fn: PackedAttention | None = None, scorer_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(plan, RoutingPlan):
+            raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
+        if budget_mode not in BUDGET_MODES:
+            raise MoendError(f"budget_mode={budget_mode!r} is unknown; allowed: {list(BUDGET_MODES)}")
+        if rope is not None and rope.head_dim != plan.fingerprint.head_dim:
+            raise MoendError(f"rope head_dim {rope.head_dim} != the plan's head_dim {plan.fingerprint.head_dim}")
+        self.plan = plan
+        self.budget_mode = budget_mode
+        name = plan.scorer if scorer is None else scorer
+        layers = []
+        floor = keep_floor(plan)
+        for i, cfg in enumerate(plan.layers):
+            cap = None
+            if budget_mode == "capacity":
+                # a layer that keeps everything cannot evict: its cap stays the plan's context length
+                cap = keep_count(plan.context_length, cfg.keep_ratio)
+                cap = max(cap, floor) if cfg.evicts else cap
+            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, cap)
+            sc = None
+            if cfg.evicts:
+                sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), **(scorer_kwargs or {}))
+            layers.append(MoENDLayer(cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy,
+                                     attention_fn=attention_fn))
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_prefill(
+        cls, plan: RoutingPlan, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        queries: Sequence[torch.Tensor | None] | None = None, **cache_kw: Any,
+    ) -> MoENDCache:
+        """The cache a prefill of the same tokens through the "moend" attention function would leave, built from
+        a full-precision prefill without recomputing attention: each layer evicts with its own scorer, sinks and
+        recent window, then quantizes (:meth:`MoENDLayer.load_prefill`).
+
+        kv: one (keys, values) per layer, each [B, Hkv, T, D] post-RoPE (what a ``DynamicCache`` holds after
+        the prefill: ``[(layer.keys, layer.values) for layer in dynamic_cache.layers]``, or that cache itself);
+        unpadded rows.
+        queries: None, or one entry per layer: [B, H, W, D] post-RoPE queries of the last W prompt tokens (the
+        scorer's observation window; W >= min(T, window) for the same window as a real prefill) or None for
+        no queries (a scorer that needs them then raises a MoendError).
+        cache_kw: the constructor's options (rope, query_stats, window, evict_every, scorer, budget_mode, ...).
+        The tensors are not modified (the cache quantizes into new storage).
+        """
+        cache = cls(plan, **cache_kw)
+        n = len(cache.layers)
+        if isinstance(kv, Cache) and not isinstance(kv, MoENDCache):
+            kv = [(layer.keys, layer.values) for layer in kv.layers]  # e.g. the DynamicCache of the prefill
+        if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence) or len(kv) != n:
+            got = f"{len(kv)} entries" if isinstance(kv, Sequence) else type(kv).__name__
+            raise MoendError(f"kv must hold one (keys, values) per layer: the plan has {n} layers; got {got}")
+        if queries is None:
+            queries = [None] * n
+        elif isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or len(queries) != n:
+            got = f"{len(queries)} entries" if isinstance(queries, Sequence) else type(queries).__name__
+            raise MoendError(f"queries must be None or hold one tensor (or None) per layer: the plan has {n} "
+                             f"layers; got {got}")
+        fp = plan.fingerprint
+        shape0 = None
+        for i, (entry, q) in enumerate(zip(kv, queries)):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise MoendError(f"kv[{i}] must be a (keys, values) pair; got {type(entry).__name__}")
+            k, v = entry
+            for name, t in (("keys", k), ("values", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != fp.num_kv_heads \
+                        or t.shape[3] != fp.head_dim:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise MoendError(
+                        f"kv[{i}] {name} {got} must be [B, Hkv={fp.num_kv_heads}, T, D={fp.head_dim}] (the plan's "
+                        f"model: {fp.architecture}); was the prefill run on another model?"
+                    )
+            shape0 = shape0 or (k.shape[0], k.shape[2])
+            if (k.shape[0], k.shape[2]) != shape0:
+                raise MoendError(f"kv[{i}] keys {tuple(k.shape)}: every layer must hold the same batch and tokens "
+                                 f"as layer 0 (B={shape0[0]}, T={shape0[1]})")
+            if q is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != fp.num_heads:
+                raise MoendError(f"queries[{i}] {tuple(q.shape)} must be [B, H={fp.num_heads}, W, D={fp.head_dim}] "
+                                 "(the plan's model's query heads)")
+            cache.layers[i].load_prefill(k, v, q)
+        return cache
+
+    def before_step(self) -> None:
+        """Call outside the compiled region before each forward of a compiled model (``moend_fx.prepare``
+        does it for ``generate``): finishes the previous decode step's deferred eviction and marks the cache
+        tensors' token axis dynamic. Harmless for eager use."""
+        for layer in self.layers:
+            layer.before_step()
+
+    def settle(self) -> None:
+        """Finish any decode step whose eviction a compiled graph deferred (the readers below call it)."""
+        for layer in self.layers:
+            layer.settle()
+
+    def held_tokens(self) -> list[int]:
+        """Tokens each layer stores per (batch row, KV head)."""
+        self.settle()
+        return [layer.held for layer in self.layers]
+
+    def nbytes(self) -> CacheBytes:
+        """Measured bytes of every stored tensor, per layer and in total (equals :meth:`model_bytes`)."""
+        self.settle()
+        per = [layer.nbytes() for layer in self.layers]
+        return CacheBytes(per, sum(per))
+
+    def model_bytes(self) -> CacheBytes:
+        """What the memory model (``moend_fx.plan.memory.layer_bytes``) says the held tokens take."""
+        self.settle()
+        fp = self.plan.fingerprint
+        per = []
+        for layer in self.layers:
+            if layer.packed is None:
+                per.append(0)
+                continue
+            per.append(layer_bytes(
+                layer.config, 0, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=layer.batch_size,
+                group_size=self.plan.group_size, dtype_bytes=dtype_bytes(layer.packed.dtype), kept=layer.held,
+            ))
+        return CacheBytes(per, sum(per))
+
+    def scratch_nbytes(self) -> int:
+        """Bytes of the scorers' query windows (working memory, not K/V storage)."""
+        return sum(layer.scratch_nbytes() for layer in self.layers)

@@ -1,0 +1,44 @@
+"""Argument checks shared by every stage. Each raises the given :class:`MoendError` subclass with a message that
+names the argument, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moend_fx.common.errors import MoendError
+
+ALLOWED_BITS = (16, 8, 4)
+"""Bit widths a K or V side may use: 16 = stored unquantized; 8 and 4 = packed codes."""
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, error: type[MoendError] = MoendError) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else ``error``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise error(f"{name}={value!r} is invalid; allowed: {allowed}")
+    return value
+
+
+def check_power_of_two(name: str, value: Any, *, error: type[MoendError] = MoendError) -> int:
+    """``value`` if it is a positive power-of-two int, else ``error``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+        raise error(f"{name}={value!r} is invalid; allowed: a power of two (e.g. 32)")
+    return value
+
+
+def check_bits(name: str, bits: Any, *, allowed: tuple[int, ...] = ALLOWED_BITS,
+               error: type[MoendError] = MoendError) -> int:
+    """``bits`` if it is one of ``allowed``, else ``error``."""
+    if isinstance(bits, bool) or bits not in allowed:
+        raise error(f"{name}={bits!r} is not a supported bit width; allowed: {list(allowed)}")
+    return int(bits)
+
+
+def check_choice(name: str, value: Any, allowed: Any, *, error: type[MoendError] = MoendError) -> Any:
+    """``value`` if it is in ``allowed`` (a StrEnum class or a collection of names), else ``error``.
+
+    For a StrEnum the member is returned, so callers hold the enum whether they were given a str or a member."""
+    names = [str(a) for a in allowed]
+    if str(value) not in names or not isinstance(value, str):
+        raise error(f"{name}={value!r} is unknown; allowed: {', '.join(names)}")
+    return allowed(value) if isinstance(allowed, type) else value

@@ -1,0 +1,92 @@
+"""Per-KV-head token selection: sinks and the recent window always, then the best scores.
+
+Ties go to the later position, so results are reproducible. Shapes as in :mod:`moend_fx.eviction.scoring`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moend_fx.common.errors import MoendError
+from moend_fx.eviction.scoring_inputs import _check_keys, _key_positions
+from moend_fx.plan.memory import keep_count
+
+
+def select_tokens(
+    scores: torch.Tensor,
+    n_keep: int,
+    *,
+    sink_tokens: int = 4,
+    recent_tokens: int = 32,
+    key_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``n_keep`` tokens per (batch row, KV head).
+
+    scores: [B, Hkv, T]; key_positions: [B, Hkv, T] ([T], [B, T] broadcast; None = 0..T-1).
+    Returns (indices [B, Hkv, n_keep] int64 sorted ascending, kept_positions [B, Hkv, n_keep] int64).
+
+    Priority, highest first: the first ``sink_tokens`` stored tokens (earliest first), the last
+    ``recent_tokens`` stored tokens (latest first), then by score, ties to the later position.
+    So when ``n_keep < sink_tokens + recent_tokens`` the sinks are kept first and then the most recent
+    tokens that fit. Sinks and recent tokens are kept whatever their score; other tokens scored -inf or
+    NaN (e.g. padding) are kept only when nothing else is left.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
+        raise MoendError(f"scores must be a [B, Hkv, T] tensor; got {getattr(scores, 'shape', type(scores))}")
+    b, hkv, t = scores.shape
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or not 1 <= n_keep <= t:
+        raise MoendError(f"n_keep={n_keep!r}; must be an int in [1, T={t}] (see moend_fx.plan.memory.keep_count)")
+    if sink_tokens < 0 or recent_tokens < 0:
+        raise MoendError(f"sink_tokens={sink_tokens!r}, recent_tokens={recent_tokens!r}; both must be >= 0")
+    if key_positions is None:
+        kp = torch.arange(t, device=scores.device).expand(b, hkv, t)
+    else:
+        kp = _key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
+
+    s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    idx = torch.arange(t, device=scores.device)
+    # tier: sinks (earlier first) > recent (later first) > scored > -inf; ints so ties are exact
+    tier = torch.where(s == float("-inf"), 0, 1).to(torch.int64)
+    recent = idx >= t - recent_tokens
+    sink = idx < sink_tokens
+    tier = torch.where(recent, 2 * t + idx, tier)
+    tier = torch.where(sink, 4 * t - idx, tier)
+
+    # lexicographic (tier, score, position) descending with stable sorts, least significant key first
+    order = torch.argsort(kp, dim=-1, descending=True, stable=True)
+    o = torch.argsort(s.gather(-1, order), dim=-1, descending=True, stable=True)
+    order = order.gather(-1, o)
+    o = torch.argsort(tier.expand(b, hkv, t).gather(-1, order), dim=-1, descending=True, stable=True)
+    order = order.gather(-1, o)
+
+    indices = order[..., :n_keep].sort(dim=-1).values
+    return indices, kp.gather(-1, indices)
+
+
+def evict(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    keep_ratio: float,
+    *,
+    key_positions: torch.Tensor | None = None,
+    sink_tokens: int = 4,
+    recent_tokens: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep ``keep_count(T, keep_ratio)`` tokens per KV head and gather them.
+
+    keys: [B, Hkv, T, D]; values: [B, Hkv, T, Dv]; scores: [B, Hkv, T]; key_positions as in
+    :func:`select_tokens`. Returns (keys [B, Hkv, n, D], values [B, Hkv, n, Dv], positions [B, Hkv, n]).
+    """
+    _check_keys(keys, values)
+    if tuple(scores.shape) != tuple(keys.shape[:3]):
+        raise MoendError(f"scores {tuple(scores.shape)} must be [B, Hkv, T] = {tuple(keys.shape[:3])}")
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
+        raise MoendError(f"keep_ratio={keep_ratio!r}; must be in (0, 1]")
+    n = keep_count(keys.shape[2], float(keep_ratio))
+    indices, positions = select_tokens(
+        scores, n, sink_tokens=sink_tokens, recent_tokens=recent_tokens, key_positions=key_positions
+    )
+    ki = indices[..., None].expand(-1, -1, -1, keys.shape[-1])
+    vi = indices[..., None].expand(-1, -1, -1, values.shape[-1])
+    return keys.gather(2, ki), values.gather(2, vi), positions

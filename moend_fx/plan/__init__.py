@@ -1,0 +1,6 @@
+"""The routing plan and the one memory model.
+
+Takes a grid of per-layer configs (keep_ratio, K bits, V bits) and a model fingerprint; gives the frozen,
+versioned, JSON-serialised :class:`~moend_fx.plan.routing.RoutingPlan` (one config per layer) and
+``moend_fx.plan.memory``: the exact byte count of what the cache stores for a layer, and budgets ("14x",
+"136MB") resolved against a 16-bit cache. Solvers, the cache and every report price bytes here."""

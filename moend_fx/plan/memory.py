@@ -1,0 +1,205 @@
+"""The one memory model: exactly the bytes a compressed layer stores (see ``docs/cache-format.md``).
+
+A layer that keeps ``n`` tokens stores, per batch row and KV head:
+
+* ``P = (n // G) * G`` tokens in packed groups (when K or V is quantized) and ``R = n - P`` tokens in a
+  full-precision residual window (model dtype). A lossless layer (16/16 bits) stores all ``n`` as is.
+* packed K: ``P * D * k_bits / 8`` code bytes + fp16 scale and zero per (group of G tokens, channel);
+  16-bit K is stored as is (``P * D * dtype_bytes``).
+* packed V: ``P * D * v_bits / 8`` code bytes + fp16 scale and zero per (token, group of G channels);
+  16-bit V is stored as is.
+* positions: one int32 per kept token, only when the layer evicts (keep_ratio < 1).
+
+Solvers, reports, budgets and the cache's measured ``nbytes()`` all use these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from moend_fx.common.errors import BudgetError
+from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+
+SCALE_BYTES = 2  # fp16 scale and fp16 zero per quantization group
+POSITION_BYTES = 4  # int32 original position per kept token per KV head
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+_PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RoutingPlan)}
+# The floor of a plan with default sinks and recent window (4 + 32): what plan-level byte predictions assume
+# when they are not given the plan itself (solver byte matrices, RoutingPlan.uniform, summary rows).
+DEFAULT_KEEP_FLOOR: int = _PLAN_DEFAULTS["sink_tokens"] + _PLAN_DEFAULTS["recent_tokens"]
+
+
+def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
+    """Tokens a layer keeps out of ``tokens``: ``max(ceil(keep_ratio * T), min(T, floor))``, clamped to
+    ``[min(1, T), T]``.
+
+    The product is rounded to 9 decimals first so that e.g. ``0.1 * 30`` keeps 3 tokens, not 4.
+    ``floor``: the fewest tokens an evicting layer keeps whatever its ratio (MoENDCache and the plan-level byte
+    predictions pass ``keep_floor(plan)`` = sinks + recent window, 36 by default), so a plan solved for 2048
+    tokens applied to a short prompt still keeps its sinks and recent window. It does not move results at
+    the plan's own length when ``keep_ratio * T >= floor`` (2048 x 0.1 = 205 > 36). A layer with keep 1.0
+    keeps ``T`` either way.
+    """
+    if tokens <= 0:
+        return 0
+    n = math.ceil(round(keep_ratio * tokens, 9))
+    n = max(n, min(tokens, floor))
+    return max(1, min(tokens, n))
+
+
+def keep_floor(plan: RoutingPlan) -> int:
+    """The fewest tokens an evicting layer of ``plan`` keeps: its sinks plus its recent window."""
+    return plan.sink_tokens + plan.recent_tokens
+
+
+def split_packed(n: int, config: LayerConfig, group_size: int) -> tuple[int, int]:
+    """(packed tokens P, residual tokens R) for a layer holding ``n`` tokens."""
+    if not config.quantized:
+        return 0, n
+    p = (n // group_size) * group_size
+    return p, n - p
+
+
+def dtype_bytes(dtype: Any) -> int:
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPE_BYTES:
+        raise BudgetError(f"dtype {name!r} is not supported; allowed: {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def layer_bytes_breakdown(
+    config: LayerConfig,
+    tokens: int,
+    *,
+    kv_heads: int,
+    head_dim: int,
+    batch: int = 1,
+    group_size: int = 32,
+    dtype_bytes: int = 4,
+    kept: int | None = None,
+    floor: int = 0,
+) -> dict[str, int]:
+    """Bytes by part for one layer after it has seen ``tokens`` tokens (or holds exactly ``kept``).
+
+    floor: the kept-token floor of :func:`keep_count` (``keep_floor(plan)`` for a MoENDCache layer)."""
+    n = keep_count(tokens, config.keep_ratio, floor) if kept is None else kept
+    p, r = split_packed(n, config, group_size)
+    d = head_dim
+    rows = batch * kv_heads
+    k_codes = p * d * dtype_bytes if config.k_bits == 16 else p * d * config.k_bits // 8
+    v_codes = p * d * dtype_bytes if config.v_bits == 16 else p * d * config.v_bits // 8
+    k_scales = 0 if config.k_bits == 16 else (p // group_size) * d * 2 * SCALE_BYTES
+    v_groups = math.ceil(d / min(group_size, d))
+    v_scales = 0 if config.v_bits == 16 else p * v_groups * 2 * SCALE_BYTES
+    return {
+        "k_codes": rows * k_codes,
+        "v_codes": rows * v_codes,
+        "scales": rows * (k_scales + v_scales),
+        "residual": rows * 2 * r * d * dtype_bytes,
+        "positions": rows * n * POSITION_BYTES if config.evicts else 0,
+    }
+
+
+def layer_bytes(config: LayerConfig, tokens: int, **kw: Any) -> int:
+    """Total bytes of one compressed layer; keyword arguments as :func:`layer_bytes_breakdown`."""
+    return sum(layer_bytes_breakdown(config, tokens, **kw).values())
+
+
+def plan_layer_bytes(
+    config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = 32, batch: int = 1,
+    floor: int = DEFAULT_KEEP_FLOOR,
+) -> int:
+    """Bytes a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens. ``floor``: the
+    plan's kept-token floor (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
+    return layer_bytes(
+        config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
+        group_size=group_size, dtype_bytes=dtype_bytes(fp.dtype), floor=floor,
+    )
+
+
+def plan_bytes(plan: RoutingPlan, tokens: int | None = None, batch: int = 1) -> int:
+    """Bytes of the whole plan at ``tokens`` (default: the plan's context length), as a MoENDCache measures
+    them after a prompt of that length (the plan's own kept-token floor included)."""
+    t = plan.context_length if tokens is None else tokens
+    return sum(plan_layer_bytes(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
+                                floor=keep_floor(plan))
+               for c in plan.layers)
+
+
+def full_cache_bytes(model_or_fp: Any, tokens: int, batch: int = 1, dtype: Any = "16bit") -> int:
+    """Bytes of an uncompressed K/V cache. ``dtype="16bit"`` (default) is the paper's base; ``None`` means the
+    model's own dtype; or any dtype name."""
+    fp = model_or_fp if isinstance(model_or_fp, ModelFingerprint) else ModelFingerprint.from_model(model_or_fp)
+    if dtype == "16bit":
+        eb = 2
+    elif dtype is None:
+        eb = dtype_bytes(fp.dtype)
+    else:
+        eb = dtype_bytes(dtype)
+    return fp.num_layers * batch * fp.num_kv_heads * tokens * fp.head_dim * 2 * eb
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A byte budget and a sentence that says what it was measured against."""
+
+    bytes: int
+    base: str
+
+    def __str__(self) -> str:
+        return f"{format_bytes(self.bytes)} ({self.base})"
+
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_RATIO_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*x\s*$", re.IGNORECASE)
+
+
+def parse_budget(budget: Any, fp: ModelFingerprint, context_length: int, batch: int = 1) -> Budget:
+    """Parse a budget: bytes (int), a size string ("136MB", "1.5GiB") or a ratio ("14x").
+
+    A ratio ``Nx`` is 1/N of a **16-bit** cache of ``context_length`` tokens, whatever the model's dtype,
+    so our ratios compare with the paper's (design.md, evaluation protocol).
+    """
+    full16 = full_cache_bytes(fp, context_length, batch, dtype="16bit")
+    base16 = f"16-bit cache of {context_length} tokens = {format_bytes(full16)}"
+    if isinstance(budget, bool):
+        raise BudgetError(f"budget {budget!r} is not a size; use bytes, '136MB', '1.5GiB' or '14x'")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise BudgetError(f"budget {budget} must be a positive number of bytes")
+        return Budget(budget, f"{full16 / budget:.2f}x vs the {base16}")
+    if not isinstance(budget, str):
+        raise BudgetError(f"budget {budget!r} is not a size; use bytes, '136MB', '1.5GiB' or '14x'")
+    m = _RATIO_RE.match(budget)
+    if m:
+        ratio = float(m.group(1))
+        if ratio < 1.0:
+            raise BudgetError(f"budget ratio {budget!r} must be >= 1x (1x = the whole 16-bit cache)")
+        return Budget(int(full16 / ratio), f"{ratio:g}x vs the {base16}")
+    m = _SIZE_RE.match(budget)
+    if m and m.group(2).lower() in _UNITS | {"": 1}:
+        b = int(float(m.group(1)) * _UNITS.get(m.group(2).lower(), 1))
+        if b <= 0:
+            raise BudgetError(f"budget {budget!r} must be positive")
+        return Budget(b, f"{full16 / b:.2f}x vs the {base16}")
+    raise BudgetError(
+        f"budget {budget!r} does not parse; allowed: bytes (e.g. 3300000), a size with unit "
+        f"{sorted(_UNITS)} (e.g. '136MB', '1.5GiB'), or a ratio of the 16-bit cache (e.g. '14x')"
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,197 @@
+"""One layer's compressed K/V storage: packed groups, a full-precision residual window, original positions.
+
+This is the data every consumer shares: the cache stores one :class:`PackedKV` per layer, the reference
+attention and the fused kernels read its fields, and ``nbytes()`` is what the memory model predicts
+(``moend_fx.plan.memory.layer_bytes``) to the byte. Layout: ``docs/cache-format.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moend_fx.common.errors import MoendError
+from moend_fx.plan.memory import split_packed
+from moend_fx.plan.routing import LayerConfig
+from moend_fx.storage.quant import QuantizedTensor, dequantize, quantize
+
+Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] when that side is 16-bit
+
+
+def _row_major_empty(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or for an empty x a new empty tensor whose strides are the plain row-major products of its sizes
+    (PyTorch gives empty tensors max(size, 1) strides; a compiled graph expects the products, e.g. 0 for the
+    batch and head strides of a layer with no packed group yet, and would otherwise recompile for it)."""
+    if x.numel():
+        return x
+    strides, acc = [], 1
+    for size in reversed(x.shape):
+        strides.append(acc)
+        acc *= size
+    return x.new_empty_strided(tuple(x.shape), tuple(reversed(strides)))
+
+
+def _encode(x: torch.Tensor, bits: int, group_size: int, mode: str) -> Block:
+    if bits == 16:
+        return _row_major_empty(x.contiguous())
+    q = quantize(x, bits, group_size, mode)
+    return replace(q, codes=_row_major_empty(q.codes), scale=_row_major_empty(q.scale),
+                   zero=_row_major_empty(q.zero))
+
+
+def _decode(block: Block, dtype: torch.dtype) -> torch.Tensor:
+    return block.to(dtype) if isinstance(block, torch.Tensor) else dequantize(block, dtype)
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of a residual window x: [B, H, R, D], stored token-major (memory order [R, B, H, D]).
+
+    Why: under torch.compile the decode graph is guarded on the strides of its inputs. Row-major strides of
+    [B, H, R, D] depend on R and are irregular at R = 0 (PyTorch uses max(R, 1)), and a slice keeps the parent's
+    storage offset (``.contiguous()`` is a no-op on a 0/1-token slice). Token-major strides (H*D, D, B*H*D, 1)
+    never depend on R, so one graph serves every residual length.
+    """
+    # ``clone(memory_format=contiguous_format)``, not ``.contiguous()``: an empty or 1-token tensor counts as
+    # contiguous, so ``.contiguous()`` would keep its old strides and storage offset.
+    return x.permute(2, 0, 1, 3).clone(memory_format=torch.contiguous_format).permute(1, 2, 0, 3)
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """Compressed K/V of one layer holding ``n = P + R`` tokens per (batch row, KV head).
+
+    k_packed / v_packed: the first P tokens (P a multiple of ``group_size``; 0 for a lossless layer), a
+    :class:`QuantizedTensor` or, for a 16-bit side, a raw tensor [B, H, P, D] in the model dtype.
+    k_res / v_res: [B, H, R, D] the last R tokens in the model dtype.
+    positions: [B, H, n] int32 original positions of the held tokens (ascending), or None when the layer
+    never evicts (then token i is at position ``offset + i``; the cache tracks ``offset``).
+    """
+
+    config: LayerConfig
+    group_size: int
+    k_packed: Block
+    v_packed: Block
+    k_res: torch.Tensor
+    v_res: torch.Tensor
+    positions: torch.Tensor | None
+
+    @classmethod
+    def from_dense(
+        cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = 32,
+        positions: torch.Tensor | None = None,
+    ) -> PackedKV:
+        """Compress k, v: [B, H, n, D] (post-RoPE, already evicted). positions: [B, H, n] int."""
+        if k.shape != v.shape or k.dim() != 4:
+            raise MoendError(f"k and v must both be [B, H, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
+        if config.evicts and positions is None:
+            raise MoendError(f"layer config {config.name} evicts tokens, so positions [B, H, n] are required")
+        p, _ = split_packed(k.shape[2], config, group_size)
+        pos = None
+        if config.evicts:
+            if positions.shape != k.shape[:3]:
+                raise MoendError(f"positions must be [B, H, n] = {tuple(k.shape[:3])}; got {tuple(positions.shape)}")
+            pos = positions.to(torch.int32).contiguous()
+        return cls(
+            config, group_size,
+            _encode(k[:, :, :p], config.k_bits, group_size, "channel"),
+            _encode(v[:, :, :p], config.v_bits, group_size, "token"),
+            _fresh(k[:, :, p:]), _fresh(v[:, :, p:]), pos,
+        )
+
+    @property
+    def num_packed(self) -> int:
+        return self.k_packed.shape[2] if isinstance(self.k_packed, torch.Tensor) else self.k_packed.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_packed + self.k_res.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_res.dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V: [B, H, n, D] of every held token (packed part dequantized, then the residual window)."""
+        dtype = dtype or self.dtype
+        k = torch.cat([_decode(self.k_packed, dtype), self.k_res.to(dtype)], dim=2)
+        v = torch.cat([_decode(self.v_packed, dtype), self.v_res.to(dtype)], dim=2)
+        return k, v
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None, *, keep_full: bool = False,
+    ) -> PackedKV:
+        """Add new tokens k, v: [B, H, L, D] (positions [B, H, L]) and flush full groups into packed codes.
+
+        keep_full: leave the last full group in the residual window (it then holds 1..G tokens, not 0..G-1):
+        the cache layer flushes it lazily, before the next append or from ``before_step`` outside a compiled
+        decode step, so that step never has to branch on whether it fills a group. The packed codes are the
+        same either way; only when the last group is quantized differs.
+        """
+        k_res = torch.cat([self.k_res, k.to(self.dtype)], dim=2)
+        v_res = torch.cat([self.v_res, v.to(self.dtype)], dim=2)
+        pos = self.positions
+        if pos is not None:
+            if positions is None:
+                raise MoendError("this layer evicts, so appended tokens need their positions [B, H, L]")
+            pos = torch.cat([pos, positions.to(torch.int32)], dim=2)
+        r = k_res.shape[2]
+        groups = (r - 1) // self.group_size if keep_full else r // self.group_size
+        return self._flushed(k_res, v_res, pos, groups * self.group_size if self.config.quantized else 0)
+
+    def flush(self) -> PackedKV:
+        """Quantize every full group of the residual window into packed codes (self when there is none)."""
+        r = self.k_res.shape[2]
+        if not self.config.quantized or r < self.group_size:
+            return self
+        return self._flushed(self.k_res, self.v_res, self.positions, (r // self.group_size) * self.group_size)
+
+    def _flushed(self, k_res: torch.Tensor, v_res: torch.Tensor, pos: torch.Tensor | None, flush: int) -> PackedKV:
+        """This layer with residual k_res, v_res: [B, H, R, D] whose first ``flush`` tokens (a multiple of G) are
+        moved into packed codes."""
+        if flush == 0:
+            return replace(self, k_res=_fresh(k_res), v_res=_fresh(v_res), positions=pos)
+        # Existing packed groups are kept bit for bit; only the new full groups are quantized.
+        kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, "channel")
+        vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, "token")
+        return replace(
+            self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
+            k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, flush:]), positions=pos,
+        )
+
+    def blocks(self) -> tuple[Block, Block]:
+        """(k_packed, v_packed)."""
+        return self.k_packed, self.v_packed
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer stores, each with the token axis at dim 2 (codes, scales and zeros of a
+        quantized side, the raw tensor of a 16-bit side, the residual windows, the positions)."""
+        out: list[torch.Tensor] = []
+        for block in self.blocks():
+            out += [block] if isinstance(block, torch.Tensor) else list(block.tensors())
+        out += [self.k_res, self.v_res]
+        if self.positions is not None:
+            out.append(self.positions)
+        return out
+
+    def index_batch(self, index: torch.Tensor) -> PackedKV:
+        """Batch rows ``index`` [B'] (beam search reorders, batch selection)."""
+        def rows(x: Block) -> Block:
+            return x.index_batch(index) if isinstance(x, QuantizedTensor) else x.index_select(0, index.to(x.device))
+
+        return replace(
+            self, k_packed=rows(self.k_packed), v_packed=rows(self.v_packed), k_res=rows(self.k_res),
+            v_res=rows(self.v_res), positions=None if self.positions is None else rows(self.positions),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer stores (equals ``memory.layer_bytes`` for the same n)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _concat(a: Block, b: Block) -> Block:
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b], dim=2)
+    # Codes and scales both grow along the token axis (dim 2) in either mode.
+    return replace(a, codes=torch.cat([a.codes, b.codes], 2), scale=torch.cat([a.scale, b.scale], 2),
+                   zero=torch.cat([a.zero, b.zero], 2))

@@ -1,0 +1,95 @@
+"""``moend bench``: decode on a tiny model folder, solvers on a synthetic table, ``all`` regenerating the
+results document, and user errors. Structure only, never timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moend_fx.bench.report import KEYS, existing_blocks
+from moend_fx.cli import main
+from tests.cli.test_generate import _save_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_bench")
+    _save_tiny_folder(path)
+    return path
+
+
+def test_bench_decode_cli(folder, tmp_path, capsys):
+    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    code = main(["bench", "decode", "--model", str(folder), "--lengths", "48,64", "--steps", "2", "--warmup", "1",
+                 "--methods", "full_eager,moend_eager", "--threads", "1", "--out", str(out), "--doc", str(doc),
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    result = json.loads((out / "decode" / "decode.json").read_text())
+    assert [(r["method"], r["tokens"]) for r in result["rows"]] == [
+        ("full_eager", 48), ("full_eager", 64), ("moend_eager", 48), ("moend_eager", 64)]
+    assert result["meta"]["threads"] == 1
+    assert "| moend_eager | 64 |" in printed
+    block = existing_blocks(doc.read_text())["decode"]
+    # the section is headed by the command that regenerates it (non-default options + --out)
+    assert f"moend bench decode --model {folder} --lengths 48,64 --steps 2 --warmup 1" in block
+    assert f"--out {out}" in block and "decode.png" in block
+    assert (out / "sections" / "decode.md").is_file()
+
+
+def test_bench_solvers_and_all_keep_sections(tmp_path, capsys):
+    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    assert main(["bench", "solvers", "--table", "synthetic:6", "--repeats", "2", "--out", str(out),
+                 "--doc", str(doc)]) == 0
+    assert (out / "solvers" / "compare.json").is_file() and (out / "solvers" / "compare.png").is_file()
+    first = existing_blocks(doc.read_text())
+    assert "moend bench solvers --table synthetic:6 --repeats 2" in first["solvers"]
+    assert "greedy median" in first["solvers"]
+    # `all --only solvers --quick` re-runs the solvers only; the other sections stay placeholders
+    code = main(["bench", "all", "--only", "solvers", "--quick", "--out", str(out), "--doc", str(doc)])
+    assert code == 0
+    blocks = existing_blocks(doc.read_text())
+    assert list(blocks) == list(KEYS)
+    assert "moend bench solvers" in blocks["solvers"] and "--repeats 5" in blocks["solvers"]  # --quick's
+    assert "Not run yet" in blocks["decode"]
+    capsys.readouterr()
+
+
+def test_bench_all_reports_failures_and_continues(tmp_path, capsys, monkeypatch):
+    import moend_fx.bench.suite as suite
+    from moend_fx.common.errors import MoendError
+
+    def boom(*a, **k):
+        raise MoendError("kernel benchmark unavailable here")
+
+    monkeypatch.setattr(suite, "bench_kernels_section", boom)
+    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    code = main(["bench", "all", "--only", "kernels,solvers", "--quick", "--out", str(out), "--doc", str(doc)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "moend bench kernels: error: kernel benchmark unavailable here" in err
+    assert "benchmark(s) failed: kernels" in err
+    blocks = existing_blocks(doc.read_text())
+    assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["kernels"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "decode", "--lengths", "2k", "--doc", ""], ["--lengths='2k'"]),
+    (["bench", "decode", "--methods", "fast", "--doc", ""], ["'fast'", "full_eager"]),
+    (["bench", "decode", "--uniform", "0.25,4", "--doc", ""], ["--uniform='0.25,4'"]),
+    (["bench", "decode", "--plan", "/nonexistent.json", "--doc", ""], ["/nonexistent.json"]),
+    (["bench", "solvers", "--table", "nope.safetensors", "--doc", ""], ["nope.safetensors"]),
+    (["bench", "all", "--only", "speed", "--doc", ""], ["'speed'", "decode"]),
+])
+def test_user_errors_are_one_line(argv, words, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    last = err.replace("\r", "\n").splitlines()[-1]
+    assert last.startswith("moend: error:") and "Traceback" not in err
+    for w in words:
+        assert w in last, last

@@ -1,0 +1,64 @@
+"""SmolLM2-135M with a 14x greedy plan: prepare -> model.compile(backend="moend", fullgraph=True) -> generate
+gives the eager MoENDCache tokens (~1k-token prompt, 20 new tokens), in one compiled decode graph.
+
+Inner compiler: aot_eager (inductor gives the same tokens and graph count, measured here, but compiling the
+30-layer graph with inductor takes ~80 s on 2 cores; docs/compile.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+TABLE = "tables/smollm2-135m-trig-2048.safetensors"
+
+
+def _table(model, tokenizer):
+    from moend_fx.calibration.pipeline import calibrate
+    from moend_fx.calibration.sensitivity import SensitivityTable
+
+    path = Path(os.environ.get("MOEND_CACHE", "~/.cache/moend")).expanduser() / TABLE
+    if path.is_file():
+        return SensitivityTable.load(path)
+    return calibrate(model, tokenizer, tokens=512)
+
+
+@pytest.mark.slow
+def test_smollm2_14x_compiled_generate_equals_eager():
+    from moend_fx.cache.generation import prepare, unprepare
+    from moend_fx.compile.backend import moend_backend
+    from moend_fx.models import load_model
+    from moend_fx.solvers import get_solver
+
+    model, tokenizer = load_model("smollm2-135m")
+    table = _table(model, tokenizer)
+    text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 60
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :1000]
+    plan = get_solver("greedy").solve(table, "14x", context_length=1020).plan
+    assert any(c.evicts for c in plan.layers) and all(c.quantized for c in plan.layers)
+    prepare(model, plan, table=table)
+    gen = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    want = model.generate(ids, **gen)
+    graphs = []
+
+    def counting(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return moend_backend(gm, example_inputs, **kw)
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model.compile(backend=counting, options={"inner": "aot_eager", "plan": plan}, fullgraph=True)
+        got = model.generate(ids, **gen)
+    finally:
+        torch._dynamo.reset()
+        model._compiled_call_impl = None
+        unprepare(model)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
+    fused = [n for n in graphs[0].graph.nodes if n.meta.get("moend_attention") == "packed"]
+    assert len(fused) == plan.num_layers  # every layer is quantized, so every layer runs the fused op
+    assert got.cache.nbytes() == want.cache.nbytes() == got.cache.model_bytes()

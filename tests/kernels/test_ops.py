@@ -1,0 +1,167 @@
+"""torch.ops.moend.packed_attention and the fused C++ CPU kernel against the reference attention."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moend_fx.attention.reference import reference_attention
+from moend_fx.common.errors import MoendError
+from moend_fx.kernels import cpu, layer_tensors, packed_attention, variant_name
+from moend_fx.plan.routing import LayerConfig
+from moend_fx.storage.packed import PackedKV
+
+BITS = st.sampled_from([2, 4, 8, 16])
+
+
+def make_layer(seed, b, hkv, n, d, kb, vb, g=32, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    # Offsets and scales differ per channel like real keys (outlier channels), never zeros.
+    k = torch.randn(b, hkv, n, d, generator=gen) * (1 + 3 * torch.rand(d, generator=gen)) + 0.5
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    return PackedKV.from_dense(k.to(dtype), v.to(dtype), LayerConfig(1.0, kb, vb), g)
+
+
+@st.composite
+def cases(draw):
+    kb, vb = draw(BITS), draw(BITS)
+    d = draw(st.sampled_from([16, 32, 64]))
+    g = 32
+    p = draw(st.sampled_from([0, g, 3 * g]))
+    r = draw(st.integers(0, g - 1))
+    l = draw(st.sampled_from([1, 3]))
+    if p + r < l:
+        r = l
+    hkv = draw(st.sampled_from([1, 2]))
+    ratio = draw(st.sampled_from([1, 3, 4]))
+    b = draw(st.sampled_from([1, 2]))
+    return dict(kb=kb, vb=vb, d=d, g=g, n=p + r, l=l, hkv=hkv, h=hkv * ratio, b=b, seed=draw(st.integers(0, 99)))
+
+
+def _run(c, kernel, num_splits=0):
+    if c["kb"] == 16 and c["vb"] == 16 and c["n"] >= c["g"]:
+        pass  # lossless: everything sits in the residual window (P = 0)
+    layer = make_layer(c["seed"], c["b"], c["hkv"], c["n"], c["d"], c["kb"], c["vb"], c["g"])
+    q = torch.randn(c["b"], c["h"], c["l"], c["d"], generator=torch.Generator().manual_seed(c["seed"] + 1))
+    ref = reference_attention(q, layer)
+    out = packed_attention(q, layer, kernel=kernel, num_splits=num_splits)
+    return out, ref
+
+
+@given(cases())
+def test_cpu_kernel_matches_reference(c):
+    assert cpu.available(), cpu.build_error()
+    out, ref = _run(c, "cpu")
+    # Same dequantized values, fp32 throughout; only the summation order (blocks, online softmax) and the
+    # polynomial exp (rel. error ~1e-7) differ from the reference.
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@given(cases(), st.sampled_from([2, 3, 5]))
+def test_cpu_kernel_token_splits_merge_exactly(c, splits):
+    out, ref = _run(c, "cpu", num_splits=splits)
+    # Split-K partials merged by log-sum-exp: the same fp32 reordering tolerance as above.
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@given(cases())
+def test_op_auto_and_reference_paths(c):
+    out, ref = _run(c, "auto")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)  # C++ kernel on CPU: reordering only
+    out_ref, _ = _run(c, "reference")
+    torch.testing.assert_close(out_ref, ref, atol=1e-6, rtol=1e-5)  # same maths, different concat order
+
+
+def test_long_decode_many_splits():
+    # SmolLM2 decode shape with a long kept length, so the automatic split count is > 1.
+    layer = make_layer(0, 1, 3, 4096 + 7, 64, 4, 8)
+    q = torch.randn(1, 9, 1, 64)
+    out = packed_attention(q, layer, kernel="cpu")
+    torch.testing.assert_close(out, reference_attention(q, layer), atol=1e-5, rtol=1e-4)  # fp32 reordering
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_dtype(dtype):
+    layer = make_layer(3, 1, 2, 70, 32, 16, 4, dtype=dtype)
+    q = torch.randn(1, 4, 2, 32).to(dtype)
+    out = packed_attention(q, layer, kernel="cpu")
+    assert out.dtype == dtype
+    # Both paths accumulate in fp32 from the same half-precision inputs; the output rounding to dtype
+    # (bf16: 8 bits of mantissa) dominates.
+    torch.testing.assert_close(out.float(), reference_attention(q, layer).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_custom_scale_and_no_causal_chunk():
+    layer = make_layer(5, 1, 1, 40, 16, 8, 8)
+    q = torch.randn(1, 2, 4, 16)
+    for causal in (True, False):
+        out = packed_attention(q, layer, scale=0.3, causal=causal, kernel="cpu")
+        ref = reference_attention(q, layer, scale=0.3, causal_chunk=causal)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)  # fp32 reordering
+
+
+def test_failing_build_falls_back_to_reference(monkeypatch):
+    layer = make_layer(1, 1, 1, 45, 16, 4, 4)
+    q = torch.randn(1, 2, 1, 16)
+
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu, "_compile", broken)
+    cpu._reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="no compiler here"):
+            out = torch.ops.moend.packed_attention(q, *layer_tensors(layer), 4, 4, 32, 0.25, True)
+        assert not cpu.available() and "no compiler" in cpu.build_error()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once only
+            out2 = packed_attention(q, layer, kernel="cpu", scale=0.25)
+        ref = reference_attention(q, layer, scale=0.25)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)  # it is the reference
+        torch.testing.assert_close(out2, ref, atol=1e-6, rtol=1e-5)
+    finally:
+        cpu._reset()  # the next call (monkeypatch undone) loads the cached build again
+
+
+def test_fake_impl_and_opcheck():
+    layer = make_layer(2, 1, 2, 70, 32, 4, 8)
+    q = torch.randn(1, 4, 1, 32)
+    args = (q, *layer_tensors(layer), 4, 8, 32, 1 / math.sqrt(32), True)
+    torch.library.opcheck(torch.ops.moend.packed_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_variant_name():
+    assert variant_name(4, 8, 64, 32) == "attn_k4_v8_hd64_g32"
+    with pytest.raises(MoendError, match="k_bits=3"):
+        variant_name(3, 8, 64, 32)
+    with pytest.raises(MoendError, match="group_size"):
+        variant_name(4, 8, 64, 24)
+
+
+def test_bad_inputs_raise_moend_error():
+    layer = make_layer(4, 1, 2, 40, 16, 4, 4)
+    with pytest.raises(MoendError, match="kernel='fast'"):
+        packed_attention(torch.randn(1, 4, 1, 16), layer, kernel="fast")
+    with pytest.raises(MoendError, match="multiple of KV heads"):
+        packed_attention(torch.randn(1, 3, 1, 16), layer)
+    with pytest.raises(MoendError, match="q must be"):
+        packed_attention(torch.randn(4, 1, 16), layer, kernel="cpu")
+    with pytest.raises(MoendError, match="chunk of 41"):
+        packed_attention(torch.randn(1, 2, 41, 16), layer, kernel="cpu")
+    t = list(layer_tensors(layer))
+    t[0] = t[0][..., :-1]  # truncated K codes
+    with pytest.raises(MoendError, match="k_packed"):
+        torch.ops.moend.packed_attention(torch.randn(1, 2, 1, 16), *t, 4, 4, 32, 0.25, True)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layer = make_layer(4, 1, 1, 40, 16, 4, 4)
+    with pytest.raises(MoendError, match="TRITON_INTERPRET"):
+        packed_attention(torch.randn(1, 1, 1, 16), layer, kernel="triton")

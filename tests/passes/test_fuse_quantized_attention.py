@@ -1,0 +1,157 @@
+"""fuse_quantized_attention: one packed_attention node per quantized layer, SDPA kept for 16/16 layers and for
+anything the kernel cannot express; the rewritten graph computes what the eager graph did."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moend_fx.passes import PASSES, run_passes
+from moend_fx.passes.common import META_LAYER, META_SKIP, META_VARIANT, is_dequantize, is_sdpa
+from moend_fx.passes.fuse_quantized_attention import fuse_quantized_attention
+from torch._dynamo.exc import BackendCompilerFailed
+
+from moend_fx.attention.reference import reference_attention
+from moend_fx.common.errors import MoendError
+from moend_fx.compile.settings import BackendSettings
+from moend_fx.kernels.ops import reference_packed_attention
+from moend_fx.storage.quant import quantize
+from tests.passes.toy_graphs import CONFIGS, HIDDEN, ToyDecoder, capture, make_cache, rand, targets
+
+PACKED = "moend.packed_attention.default"
+SDPA = "scaled_dot_product_attention"
+
+
+def settings(**kw):
+    return BackendSettings(inner="eager", **kw)
+
+
+def fused_graph(fn, *args, **kw):
+    return capture(fn, *args, transform=lambda gm: run_passes(gm, settings(**kw)))
+
+
+def skip_reasons(gm):
+    return [n.meta[META_SKIP] for n in gm.graph.nodes if META_SKIP in n.meta]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])  # decode step (no mask) and a chunk (bottom-right causal mask)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_packed_op_per_quantized_layer(tokens, dtype):
+    model = ToyDecoder(3).to(dtype)
+    cache = make_cache(CONFIGS["mixed"], dtype=dtype)  # k4/v8, 16/16, k16/v2
+    x = rand(1, tokens, HIDDEN).to(dtype)
+    gm, inputs, out = fused_graph(model, x, cache)
+    t = targets(gm)
+    assert t.count(PACKED) == 2 and t.count(SDPA) == 1
+    assert not any(is_dequantize(n) for n in gm.graph.nodes)
+    names = [n.name for n in gm.graph.nodes if str(n.target) == PACKED]
+    assert names == ["attn_k4_v8_hd8_g32_layer0", "attn_k16_v2_hd8_g32_layer2"]
+    sdpa = [n for n in gm.graph.nodes if is_sdpa(n)]
+    assert [n.meta[META_LAYER] for n in sdpa] == [1]
+    assert "both 16-bit" in sdpa[0].meta[META_SKIP]
+    want = model(x, cache)
+    # fp32: the fused kernel's online softmax vs SDPA on dequantized values (summation order only).
+    # bf16: SDPA rounds its intermediates to bf16, the kernel accumulates in fp32 (~3 significant digits).
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(gm(*inputs)[0], want, **tol)
+
+
+def test_matches_reference_attention_with_gqa_and_batch():
+    def fn(q, layers):
+        return [F.scaled_dot_product_attention(q, *layers[0], scale=0.2, enable_gqa=True)]
+
+    cache = make_cache(CONFIGS["two"], batch=2, tokens=75)
+    q = rand(2, 4, 1, 8, seed=5)
+
+    def attn(q, layer):
+        from moend_fx.attention.packed import packed_layer_attention
+
+        return packed_layer_attention(q, layer, scale=0.2)
+
+    for layer in cache:
+        gm, inputs, out = fused_graph(attn, q, layer)
+        assert targets(gm).count(PACKED) == 1 and SDPA not in targets(gm)
+        # Kernel vs fp32 reference: same dequantized values, different summation order.
+        torch.testing.assert_close(out, reference_attention(q, layer, scale=0.2), atol=1e-5, rtol=1e-4)
+
+
+def test_padding_mask_is_not_fused():
+    mask = torch.ones(1, 1, 2, 70, dtype=torch.bool)
+    mask[..., :5] = False
+    model = ToyDecoder(2)
+    cache = make_cache(CONFIGS["two"])
+    gm, _, out = fused_graph(model, rand(1, 2, HIDDEN), cache, mask)
+    assert PACKED not in targets(gm) and targets(gm).count(SDPA) == 2
+    assert all("attn_mask" in r for r in skip_reasons(gm))
+    torch.testing.assert_close(out, model(rand(1, 2, HIDDEN), cache, mask), atol=1e-6, rtol=1e-6)
+
+
+def _manual(q, qt_k, k_res, qt_v, v_res, k_mode=0, v_mode=1, dim=2, **sdpa_kw):
+    k = torch.cat([torch.ops.moend.dequantize(qt_k.codes, qt_k.scale, qt_k.zero, qt_k.bits, 32, k_mode, 8,
+                                              torch.float32), k_res], dim=dim)
+    v = torch.cat([torch.ops.moend.dequantize(qt_v.codes, qt_v.scale, qt_v.zero, qt_v.bits, 32, v_mode, 8,
+                                              torch.float32), v_res], dim=dim)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **sdpa_kw)
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(is_causal=True), "is_causal=True"),
+    (dict(dropout_p=0.5), "dropout_p=0.5"),
+    (dict(k_mode=1), "K is quantized with mode 1"),
+])
+def test_patterns_the_kernel_cannot_express_are_not_fused(kw, reason):
+    layer = make_cache(CONFIGS["two"])[0]
+    q = rand(1, 4, 3, 8)
+    qt_k = layer.k_packed
+    if kw.get("k_mode") == 1:  # K grouped per token: valid codes, but not the kernel's layout for K
+        qt_k = quantize(layer.dequantize()[0][:, :, :64], 8, 32, "token")
+    args = (q, qt_k, layer.k_res, layer.v_packed, layer.v_res)
+    gm, _, _ = capture(_manual, *args, transform=lambda gm: run_passes(gm, settings()), **kw)
+    assert PACKED not in targets(gm) and SDPA in targets(gm)
+    assert reason in skip_reasons(gm)[0]
+
+
+def test_cat_along_another_axis_is_not_fused():
+    layer = make_cache(CONFIGS["two"])[0]
+    q = rand(1, 4, 2, 8)
+
+    def fn(q, k_codes, k_scale, k_zero, k_res):
+        deq = torch.ops.moend.dequantize(k_codes, k_scale, k_zero, 8, 32, 0, 8, torch.float32)
+        k = torch.cat([deq, k_res.expand(1, 2, 64, 8)], dim=3)[..., :8]
+        return F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+
+    gm, _, _ = fused_graph(fn, q, layer.k_packed.codes, layer.k_packed.scale, layer.k_packed.zero,
+                           layer.k_res[:, :, :1])
+    assert PACKED not in targets(gm) and skip_reasons(gm)
+
+
+def test_fuse_false_and_reference_kernel():
+    model, cache, x = ToyDecoder(2), make_cache(CONFIGS["two"]), rand(1, 3, HIDDEN)
+    gm, _, _ = fused_graph(model, x, cache, fuse=False)
+    assert PACKED not in targets(gm) and targets(gm).count(SDPA) == 2
+    gm, inputs, out = fused_graph(model, x, cache, kernel="reference")
+    fused = [n for n in gm.graph.nodes if n.target is reference_packed_attention]
+    assert [n.meta[META_VARIANT] for n in fused] == ["attn_k8_v4_hd8_g32", "attn_k4_v2_hd8_g32"]
+    torch.testing.assert_close(out, model(x, cache), atol=1e-5, rtol=1e-4)  # fp32, summation order
+
+
+def test_triton_kernel_on_cpu_tensors_is_an_error():
+    # dynamo wraps a backend's exception in BackendCompilerFailed; the MoendError is its inner_exception.
+    with pytest.raises(BackendCompilerFailed) as e:
+        fused_graph(ToyDecoder(2), rand(1, 1, HIDDEN), make_cache(CONFIGS["two"]), kernel="triton")
+    assert isinstance(e.value.inner_exception, MoendError)
+    assert "kernel='triton'" in str(e.value) and "allowed here" in str(e.value)
+
+
+def test_running_the_passes_twice_changes_nothing():
+    gm, inputs, _ = fused_graph(ToyDecoder(2), rand(1, 1, HIDDEN), make_cache(CONFIGS["two"]))
+    before = str(gm.graph)
+    for p in PASSES:
+        gm = p(gm, settings())
+    assert str(gm.graph) == before
+
+
+def test_pass_alone_needs_find_attention_tags():
+    # Without find_attention's tags the pass has nothing to fuse: the order in PASSES matters.
+    gm, _, _ = capture(ToyDecoder(2), rand(1, 1, HIDDEN), make_cache(CONFIGS["two"]))
+    fuse_quantized_attention(gm, settings())
+    assert PACKED not in targets(gm)

@@ -1,0 +1,118 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moend_fx.common.errors import MoendError
+from moend_fx.plan.memory import layer_bytes
+from moend_fx.plan.routing import Grid, LayerConfig
+from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.tokens import gather_tokens
+
+CONFIGS = Grid(k_bits=(16, 8, 4, 2), v_bits=(16, 8, 4, 2)).configs
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_lossless_is_exact():
+    k, v = rand(2, 3, 45, 16, seed=1), rand(2, 3, 45, 16, seed=2)
+    layer = PackedKV.from_dense(k, v, LayerConfig(1.0, 16, 16))
+    k2, v2 = layer.dequantize()
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert layer.positions is None and layer.num_packed == 0
+
+
+@given(config=st.sampled_from(CONFIGS), n0=st.integers(1, 70), steps=st.lists(st.integers(1, 9), max_size=8),
+       seed=st.integers(0, 999))
+def test_append_matches_one_shot_and_memory_model(config, n0, steps, seed):
+    """Appending tokens chunk by chunk stores the same bytes, and the same values, as compressing at once."""
+    total = n0 + sum(steps)
+    k, v = rand(1, 2, total, 16, seed=seed), rand(1, 2, total, 16, seed=seed + 1)
+    pos = torch.arange(total).expand(1, 2, total)
+    layer = PackedKV.from_dense(k[:, :, :n0], v[:, :, :n0], config, 16, pos[..., :n0] if config.evicts else None)
+    at = n0
+    for s in steps:
+        layer = layer.append(k[:, :, at:at + s], v[:, :, at:at + s], pos[..., at:at + s])
+        at += s
+    once = PackedKV.from_dense(k, v, config, 16, pos if config.evicts else None)
+    assert layer.num_tokens == total and layer.num_packed == once.num_packed
+    assert layer.nbytes() == once.nbytes() == layer_bytes(config, total, kv_heads=2, head_dim=16,
+                                                          group_size=16, kept=total)
+    # Groups are quantized from the same tokens either way, so the values agree exactly.
+    for a, b in zip(layer.dequantize(), once.dequantize()):
+        assert torch.equal(a, b)
+    if config.evicts:
+        assert torch.equal(layer.positions, pos.to(torch.int32))
+
+
+@given(config=st.sampled_from(CONFIGS), n0=st.integers(1, 70), steps=st.lists(st.integers(1, 9), max_size=8),
+       seed=st.integers(0, 999))
+def test_lazy_flush_keeps_one_full_group_then_flush_equals_eager(config, n0, steps, seed):
+    """append(keep_full=True) leaves 1..G tokens in the residual; flush() then gives the eager layout exactly."""
+    g = 16
+    total = n0 + sum(steps)
+    k, v = rand(1, 2, total, 16, seed=seed), rand(1, 2, total, 16, seed=seed + 1)
+    pos = torch.arange(total).expand(1, 2, total)
+    lazy = eager = PackedKV.from_dense(k[:, :, :n0], v[:, :, :n0], config, g, pos[..., :n0] if config.evicts else None)
+    at = n0
+    for s in steps:
+        lazy = lazy.flush().append(k[:, :, at:at + s], v[:, :, at:at + s], pos[..., at:at + s], keep_full=True)
+        eager = eager.append(k[:, :, at:at + s], v[:, :, at:at + s], pos[..., at:at + s])
+        at += s
+        if config.quantized:
+            assert 1 <= lazy.k_res.shape[2] <= g
+    settled = lazy.flush()
+    assert settled.num_packed == eager.num_packed and settled.nbytes() == eager.nbytes()
+    for a, b in zip(settled.dequantize(), eager.dequantize()):
+        assert torch.equal(a, b)  # the same groups quantized from the same tokens
+
+
+@pytest.mark.parametrize("r", [0, 1, 5, 31])
+def test_residual_strides_do_not_depend_on_its_length(r):
+    """Token-major residual (strides (H*D, D, B*H*D, 1) at every R, a fresh storage): one compiled decode graph
+    serves every residual length. An empty packed part has the plain row-major products as strides."""
+    k, v = rand(2, 3, 64 + r, 16, seed=5), rand(2, 3, 64 + r, 16, seed=6)
+    layer = PackedKV.from_dense(k, v, LayerConfig(1.0, 4, 8), 32)
+    assert layer.k_res.shape == (2, 3, r, 16) and layer.k_res.stride() == (48, 16, 96, 1)
+    assert layer.k_res.storage_offset() == 0 and torch.equal(layer.k_res, k[:, :, 64:])
+    grown = layer.append(k[:, :, :1], v[:, :, :1])
+    assert grown.k_res.stride() == (48, 16, 96, 1)
+    empty = PackedKV.from_dense(k[:, :, :5], v[:, :, :5], LayerConfig(1.0, 4, 8), 32)
+    assert empty.k_packed.codes.shape == (2, 3, 0, 8) and empty.k_packed.codes.stride() == (0, 0, 8, 1)
+    assert empty.v_packed.scale.stride() == (0, 0, 1, 1)
+
+
+def test_gather_tokens_keeps_positions_and_values():
+    k, v = rand(1, 2, 64, 16, seed=3), rand(1, 2, 64, 16, seed=4)
+    pos = (torch.arange(64) * 3).expand(1, 2, 64)
+    idx = torch.stack([torch.arange(0, 64, 2), torch.arange(1, 64, 2)]).unsqueeze(0)
+    kept = PackedKV.from_dense(gather_tokens(k, idx), gather_tokens(v, idx), LayerConfig(0.5, 16, 16), 32,
+                               gather_tokens(pos, idx))
+    assert torch.equal(kept.positions.long(), pos.gather(2, idx))
+    assert torch.equal(kept.dequantize()[0][0, 1], k[0, 1, 1::2])
+    assert torch.equal(kept.dequantize()[1][0, 0], v[0, 0, 0::2])
+
+
+def test_index_batch_and_tensors():
+    k, v = rand(3, 2, 70, 16, seed=5), rand(3, 2, 70, 16, seed=6)
+    pos = torch.arange(70).expand(3, 2, 70)
+    layer = PackedKV.from_dense(k, v, LayerConfig(0.5, 4, 8), 32, pos)
+    picked = layer.index_batch(torch.tensor([2, 0]))
+    full_k, full_v = layer.dequantize()
+    got_k, got_v = picked.dequantize()
+    assert torch.equal(got_k, full_k[[2, 0]]) and torch.equal(got_v, full_v[[2, 0]])
+    assert picked.nbytes() * 3 == layer.nbytes() * 2  # every stored tensor is batch-first
+    assert layer.nbytes() == sum(t.numel() * t.element_size() for t in layer.tensors())
+    assert len(layer.tensors()) == 3 + 3 + 2 + 1  # K codes/scale/zero, V codes/scale/zero, residuals, positions
+
+
+def test_bad_inputs():
+    k = rand(1, 2, 8, 16)
+    with pytest.raises(MoendError, match="positions"):
+        PackedKV.from_dense(k, k, LayerConfig(0.5, 4, 4))
+    with pytest.raises(MoendError, match=r"\[B, H, n, D\]"):
+        PackedKV.from_dense(k, k[..., :8], LayerConfig(1.0, 4, 4))
+    with pytest.raises(MoendError, match="positions must be"):
+        PackedKV.from_dense(k, k, LayerConfig(0.5, 4, 4), positions=torch.arange(3).expand(1, 2, 3))
