@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 from moend_fx.cache.generation import prepare
 from moend_fx.calibration.pipeline import calibrate
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.options import InnerCompiler, Kernel
 from moend_fx.models import load_model, tiny_model
 from moend_fx.solvers import get_solver
 
@@ -73,8 +74,8 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
-    ap.add_argument("--kernel", default="auto", choices=["auto", "cpu", "triton", "reference"])
+    ap.add_argument("--inner", default=str(InnerCompiler.AOT_EAGER), choices=[str(c) for c in InnerCompiler])
+    ap.add_argument("--kernel", default=str(Kernel.AUTO), choices=[str(k) for k in Kernel])
     args = ap.parse_args()
 
     model, tokenizer = load(args.model)

@@ -16,9 +16,11 @@ import torch
 import moend_fx
 from moend_fx.calibration.pipeline import calibrate, stale_reason
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.calibration.tables import default_table_path
+from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.tasks.registry import make_examples, score
-from moend_fx.models import cache_root, load_model
+from moend_fx.models import load_model
 from moend_fx.plan.memory import format_bytes, full_cache_bytes, plan_layer_bytes
 from moend_fx.plan.routing import ModelFingerprint
 from moend_fx.solvers import get_solver
@@ -47,7 +49,7 @@ def load_or_calibrate(model, tok, path: Path, tokens: int) -> SensitivityTable:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", default="14x", help="budget: ratio of the 16-bit cache ('14x') or a size ('3MB')")
-    ap.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
+    ap.add_argument("--length", type=int, default=CALIBRATION_TOKENS, help="prompt length in tokens")
     ap.add_argument("--solver", default="greedy")
     ap.add_argument("--no-compile", action="store_true", help="run the eager MoENDCache path only")
     ap.add_argument("--seed", type=int, default=3)
@@ -55,9 +57,9 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.perf_counter()
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(DEFAULT_MODEL)
     fp = ModelFingerprint.from_model(model)
-    table = load_or_calibrate(model, tok, cache_root() / "tables" / "smollm2-135m-trig-2048.safetensors", 2048)
+    table = load_or_calibrate(model, tok, default_table_path(DEFAULT_MODEL), CALIBRATION_TOKENS)
 
     ex = make_examples("passkey", tok, args.length, 1, seed=args.seed)[0]
     ids = tok(ex.prompt_full, return_tensors="pt")

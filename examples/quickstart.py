@@ -14,6 +14,7 @@ import torch
 
 import moend_fx
 from moend_fx.calibration.pipeline import calibrate
+from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.models import load_model
 from moend_fx.plan.memory import format_bytes, full_cache_bytes
 from moend_fx.solvers import get_solver
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     args = ap.parse_args()
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(DEFAULT_MODEL)
     table = calibrate(model, tok, tokens=args.tokens, progress=True)
     text = open(__file__).read() * 4  # any long text: here, this file
     ids = tok(text + "\nIn one sentence, this script", return_tensors="pt")

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from moend_fx.cli.solve import load_table
+from moend_fx.calibration.tables import load_table, table_context_length
 from moend_fx.common.io import atomic_write_text
 from moend_fx.solvers.compare import bench_solvers, compare_solvers, markdown_table, write_comparison
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     table = load_table(args.table)
-    ctx = args.context_length or int(table.calibration.get("context_length", 2048))
+    ctx = table_context_length(table, args.context_length or None)
     budgets = [b for b in args.budgets.split(",") if b]
     trials = [int(n) for n in args.trials.split(",") if n]
     result = compare_solvers(table, budgets, context_length=ctx, trials=trials,

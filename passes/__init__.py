@@ -8,13 +8,14 @@ its own file; its docstring says when it must not fire. :data:`PASSES` is the on
 3. :func:`fuse_quantized_attention`: ``dequantize -> cat -> SDPA`` becomes one ``moend.packed_attention`` node.
 
 :func:`run_passes` runs them, with :func:`cleanup` (dead code, lint, recompile) after each pass that edits the
-graph, and logs / dumps the graph before and after (``passes.debug``).
+graph, and logs / dumps the graph before and after (``passes.debug``). The other modules are no passes: ``common``
+(op targets, metadata keys, shape helpers) and ``match_packed_attention`` (what pass 3 matches, read-only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
@@ -24,7 +25,10 @@ from .find_attention import find_attention
 from .fuse_quantized_attention import fuse_quantized_attention
 from .validate_plan import validate_plan
 
-Pass = Callable[[fx.GraphModule, Any], fx.GraphModule]
+if TYPE_CHECKING:
+    from moend_fx.compile.settings import BackendSettings
+
+Pass = Callable[[fx.GraphModule, "BackendSettings | None"], fx.GraphModule]
 
 PASSES: tuple[Pass, ...] = (
     find_attention,
@@ -35,7 +39,8 @@ PASSES: tuple[Pass, ...] = (
 _READ_ONLY: frozenset[Pass] = frozenset({find_attention, validate_plan})
 
 
-def run_passes(gm: fx.GraphModule, settings: Any, passes: tuple[Pass, ...] = PASSES) -> fx.GraphModule:
+def run_passes(gm: fx.GraphModule, settings: BackendSettings | None,
+               passes: tuple[Pass, ...] = PASSES) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``; returns the rewritten graph module."""
     debug_dir = getattr(settings, "debug_dir", None)
     dump_graph(gm, "before", debug_dir)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 from typing import Any
@@ -107,11 +106,6 @@ def dtype_of(node: Any) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-def surely_equal(a: Any, b: Any) -> bool:
-    """True when two sizes (ints or SymInts) are provably equal; never adds a guard."""
-    return statically_known_true(a == b)
-
-
 def surely_differ(a: Any, b: Any) -> bool:
     """True when two sizes are provably different; unknown symbolic relations count as "not proven"."""
     return statically_known_true(a != b)
@@ -150,10 +144,6 @@ def module_path(node: fx.Node) -> str | None:
         return None
     last = list(stack.values())[-1]
     return last[0] if isinstance(last, tuple) else str(last)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
 
 
 def attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -20,7 +20,7 @@ not consume the softmax as its left operand (not attention). It only tags nodes;
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
@@ -41,6 +41,9 @@ from .common import (
 )
 from .debug import log
 
+if TYPE_CHECKING:
+    from moend_fx.compile.settings import BackendSettings
+
 _MAX_HOPS = 6  # casts / scaling / masking ops allowed between the matmuls and the softmax
 
 
@@ -50,8 +53,8 @@ def _is_packed_attention(node: fx.Node) -> bool:
 
 
 def _softmax_dim(node: fx.Node) -> Any:
-    if node.op == "call_method":
-        return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    """The ``dim`` of a softmax node: its second argument in every form (``x.softmax(dim)``, ``F.softmax(x, dim)``,
+    ``aten._softmax(x, dim, half_to_float)``), or the keyword."""
     return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
 
 
@@ -123,7 +126,7 @@ def _index_from_inputs(node: fx.Node, kind: str) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
-def find_attention(gm: fx.GraphModule, settings: Any = None) -> fx.GraphModule:
+def find_attention(gm: fx.GraphModule, settings: BackendSettings | None = None) -> fx.GraphModule:
     """Tag attention nodes with ``meta["moend_layer"]`` (int), ``meta["moend_attention"]`` (kind) and
     ``meta["moend_layer_source"]``. Returns the same graph module (no node is added or removed)."""
     found: list[tuple[fx.Node, str]] = []

@@ -17,7 +17,7 @@ Errors are :class:`moend_fx.common.errors.PlanError` naming the layer, the value
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
@@ -35,6 +35,9 @@ from .common import (
     surely_differ,
 )
 from .debug import log
+
+if TYPE_CHECKING:
+    from moend_fx.compile.settings import BackendSettings
 
 
 def _kv_nodes(node: fx.Node) -> tuple[Any, Any]:
@@ -69,7 +72,7 @@ def _check_bits(layer: int, side: str, deq: fx.Node | None, planned: int, group_
                         f"{group_size}")
 
 
-def validate_plan(gm: fx.GraphModule, settings: Any) -> fx.GraphModule:
+def validate_plan(gm: fx.GraphModule, settings: BackendSettings | None) -> fx.GraphModule:
     """Raise :class:`PlanError` if ``settings.plan`` does not fit the tagged attention nodes; else return gm."""
     plan = getattr(settings, "plan", None)
     nodes = attention_nodes(gm)

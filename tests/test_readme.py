@@ -18,13 +18,6 @@ def fenced_blocks(text: str, lang: str | None = None) -> list[str]:
     return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S) if lang is None or m.group(1) == lang]
 
 
-def _subcommand_names(parser) -> dict[str, object]:
-    for action in parser._actions:
-        if action.__class__.__name__ == "_SubParsersAction":
-            return dict(action.choices)
-    return {}
-
-
 def test_quickstart_is_the_two_make_commands():
     bash = "\n".join(fenced_blocks(README, "bash"))
     assert re.search(r"^make demo\b", bash, re.M) and re.search(r"^make test\b", bash, re.M)
@@ -46,9 +39,9 @@ def _moend_commands():
 @pytest.mark.parametrize("doc,line", _moend_commands())
 def test_documented_cli_commands_exist(doc, line):
     words = line.split()[1:]
-    top = _subcommand_names(build_parser())
+    top = build_parser().subcommands()
     assert words[0] in top, f"{doc}: `{line}` names an unknown subcommand {words[0]!r}"
-    inner = _subcommand_names(top[words[0]])
+    inner = top[words[0]].subcommands()
     if inner and len(words) > 1 and not words[1].startswith("-"):
         assert words[1] in inner, f"{doc}: `{line}` names an unknown subcommand {words[1]!r}"
 

@@ -53,12 +53,11 @@ def packed_layer_attention(
     if q.dim() != 4:
         raise MoendError(f"q must be [B, H, L, D]; got shape {tuple(q.shape)}")
     b, h, n_q, d = q.shape
-    hkv = layer.k_res.shape[1]
-    if layer.k_res.shape[0] != b or layer.k_res.shape[3] != d or h % hkv:
-        raise MoendError(f"q {tuple(q.shape)} does not fit the layer's K/V [B={layer.k_res.shape[0]}, "
-                         f"Hkv={hkv}, n, D={layer.k_res.shape[3]}] (need the same B and D, H a multiple of Hkv)")
-    k = _side(layer.k_packed, layer.k_res, q.dtype)
-    v = _side(layer.v_packed, layer.v_res, q.dtype)
+    kv_b, hkv, _, kv_d = layer.k_res.shape
+    if kv_b != b or kv_d != d or h % hkv:
+        raise MoendError(f"q {tuple(q.shape)} does not fit the layer's K/V [B={kv_b}, Hkv={hkv}, n, D={kv_d}] "
+                         "(need the same B and D, H a multiple of Hkv)")
+    k, v = [_side(block, res, q.dtype) for block, res in zip(layer.blocks(), layer.residuals())]
     attn_mask = None
     if causal and n_q > 1:
         attn_mask = chunk_causal_mask(n_q, k.shape[2], q.device)

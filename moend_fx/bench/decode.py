@@ -23,36 +23,35 @@ every 128 generated tokens; with the default 16 steps no re-eviction falls insid
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from moend_fx.bench import decode_run as run
 from moend_fx.bench.decode_report import markdown_table, plot_decode, write_decode
-from moend_fx.bench.probes import (
-    cache_nbytes,
-    peak_rss_bytes,
-    release_memory,
-    reset_peak_rss,
-    rss_bytes,
-    weight_bytes,
+from moend_fx.bench.decode_run import DecodeMethod, unavailable_row
+from moend_fx.bench.decode_settings import (
+    BASELINE,
+    DEFAULT_BANDWIDTH_GBS,
+    DEFAULT_LENGTHS,
+    DEFAULT_UNIFORM,
+    METHODS,
+    DecodeBenchSettings,
+    parse_methods,
 )
-from moend_fx.cache.generation import decode_compile_settings
+from moend_fx.bench.probes import cache_nbytes, rss_bytes, weight_bytes
 from moend_fx.common.errors import MoendError
 from moend_fx.plan.memory import format_bytes, full_cache_bytes, plan_bytes
-from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
+from moend_fx.plan.summary import plan_summary
 
-METHODS: tuple[str, ...] = ("full_eager", "full_inductor", "moend_eager", "moend_compiled")
-BASELINE = "full_eager"
-DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192)
-DEFAULT_UNIFORM = LayerConfig(0.25, 4, 4)
-DEFAULT_BANDWIDTH_GBS = 28.0  # design.md: ~27-30 GB/s measured on this machine
+__all__ = ["BASELINE", "DEFAULT_BANDWIDTH_GBS", "DEFAULT_LENGTHS", "DEFAULT_UNIFORM", "METHODS",
+           "DecodeBenchSettings", "add_ratios", "all_cores", "bench_decode", "cache_nbytes", "markdown_table",
+           "parse_methods", "plan_for_length", "plan_summary", "plot_decode", "rss_bytes", "weight_bytes",
+           "write_decode"]
 
 
 def all_cores() -> int:
@@ -61,56 +60,6 @@ def all_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class DecodeBenchSettings:
-    """What to run. ``budget`` is used only with a table (solved with greedy per context length);
-    without a table or plan every layer gets ``uniform``."""
-
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    steps: int = 16
-    warmup: int = 3
-    methods: tuple[str, ...] = METHODS
-    budget: str = "14x"
-    uniform: LayerConfig = DEFAULT_UNIFORM
-    bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS
-    seed: int = 0
-    kernel: str = "auto"  # moend backend option
-    inner: str = "inductor"  # moend backend option
-
-    def __post_init__(self) -> None:
-        for name in ("lengths", "methods"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-            if not getattr(self, name):
-                raise MoendError(f"{name} is empty; give at least one")
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
-        if len(set(self.methods)) != len(self.methods):
-            raise MoendError(f"methods {list(self.methods)} repeat a name; give each once")
-        for n in self.lengths:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-                raise MoendError(f"context length {n!r} is invalid; allowed: an integer >= 2 (tokens)")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise MoendError(f"steps={self.steps!r} is invalid; allowed: an integer >= 1")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise MoendError(f"warmup={self.warmup!r} is invalid; allowed: an integer >= 0")
-        if not self.bandwidth_gbs > 0:
-            raise MoendError(f"bandwidth_gbs={self.bandwidth_gbs!r} is invalid; allowed: a positive number")
-        if not isinstance(self.uniform, LayerConfig):
-            raise MoendError(f"uniform must be a LayerConfig; got {type(self.uniform).__name__}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["uniform"] = self.uniform.to_dict()
-        return d
-__all__ = ["METHODS", "DecodeBenchSettings", "add_ratios", "all_cores", "bench_decode", "cache_nbytes",
-           "markdown_table", "parse_methods", "plan_for_length", "plan_summary", "plot_decode", "rss_bytes",
-           "weight_bytes", "write_decode"]
-
-
-# --------------------------------------------------------------------------------------------- plans
 
 
 def plan_for_length(model: Any, length: int, settings: DecodeBenchSettings, *, table: Any = None,
@@ -131,131 +80,7 @@ def plan_for_length(model: Any, length: int, settings: DecodeBenchSettings, *, t
     return p, f"hand-written uniform plan: keep {c.keep_ratio:g} / K{c.k_bits} / V{c.v_bits} on every layer"
 
 
-def plan_summary(plan: RoutingPlan) -> str:
-    """``"18x keep 0.25/K4/V4, 12x keep 1/K8/V8"``: how many layers use each config."""
-    counts: dict[LayerConfig, int] = {}
-    for c in plan.layers:
-        counts[c] = counts.get(c, 0) + 1
-    parts = sorted(counts.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{n}x keep {c.keep_ratio:g}/K{c.k_bits}/V{c.v_bits}" for c, n in parts)
-
-
-# --------------------------------------------------------------------------------------------- one run
-
-
-@dataclass
-class _Method:
-    """How one method builds its cache and sets the model up (and undoes it)."""
-
-    name: str
-    moend: bool
-    compile_backend: str | None  # None = eager; "inductor" or "moend"
-    plans: dict[int, RoutingPlan] = field(default_factory=dict)
-
-
-def _uncompile(model: Any) -> None:
-    # nn.Module.compile stores the compiled call here; clearing it restores plain eager calls.
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        model._compiled_call_impl = None
-    torch._dynamo.reset()
-
-
-def _setup(model: Any, m: _Method, settings: DecodeBenchSettings, table: Any) -> None:
-    from moend_fx.cache.generation import prepare, unprepare
-
-    _uncompile(model)
-    first = next(iter(m.plans.values()), None)
-    if first is not None:
-        prepare(model, first, table=table)
-    else:
-        unprepare(model)
-    if m.compile_backend == "inductor":
-        model.compile()
-    elif m.compile_backend == "moend":
-        import moend_fx.compile.backend  # noqa: F401  (registers the backend; also found via the entry point)
-
-        assert first is not None, "the moend backend runs on a MoENDCache method"
-        same = all(p.layers == first.layers for p in m.plans.values())
-        # The plan only feeds the backend's validate_plan check; per-length plans that differ in their
-        # configs would each need their own graphs anyway, so then the check is skipped.
-        model.compile(backend="moend", fullgraph=True,
-                      options={"plan": first if same else None, "kernel": settings.kernel, "inner": settings.inner})
-
-
-def _teardown(model: Any) -> None:
-    from moend_fx.cache.generation import unprepare
-
-    _uncompile(model)
-    unprepare(model)
-
-
-def _new_cache(model: Any, m: _Method, length: int, table: Any) -> Any:
-    if not m.moend:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
-    from moend_fx.cache.generation import _stats_from_table
-    from moend_fx.cache.moend_cache import MoENDCache
-    from moend_fx.eviction.rope import rope_from_model
-
-    plan = m.plans[length]
-    stats = _stats_from_table(table, plan.num_layers) if table is not None else None
-    return MoENDCache(plan, rope=rope_from_model(model), query_stats=stats)
-
-
-@torch.no_grad()
-def _run_one(model: Any, m: _Method, length: int, settings: DecodeBenchSettings, ids: torch.Tensor,
-             table: Any) -> dict[str, Any]:
-    release_memory()
-    base_rss = rss_bytes()
-    reset_peak_rss()
-    cache = _new_cache(model, m, length, table)
-    t0 = time.perf_counter()
-    # The uncompiled forward for the prefill: nn.Module.compile hooks __call__ only, and a compiled
-    # 8k-token prefill graph is not what this benchmark measures.
-    out = model.forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    prefill_s = time.perf_counter() - t0
-    tok = out.logits[:, -1:].argmax(-1)
-    del out
-    prefill_peak = peak_rss_bytes()
-    reset_peak_rss()
-    # A hand-written decode loop over a MoENDCache does what a prepared model's generate() does: the cache's
-    # before_step hook (deferred eviction, dynamic marks) outside the compiled step, under the decode
-    # compile settings; a step's time includes the hook.
-    before = getattr(cache, "before_step", None) or (lambda: None)
-    settings_ctx = decode_compile_settings() if m.compile_backend == "moend" else contextlib.nullcontext()
-    with settings_ctx:
-        warm0 = time.perf_counter()
-        for _ in range(settings.warmup):
-            before()
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        warmup_s = time.perf_counter() - warm0
-        times = []
-        for _ in range(settings.steps):
-            t = time.perf_counter()
-            before()
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - t)
-    decode_peak = peak_rss_bytes()
-    after = rss_bytes()
-    kv, scratch = cache_nbytes(cache)
-    held = int(cache.get_seq_length())
-    del cache
-    release_memory()
-
-    def growth(x: int | None) -> int | None:
-        return None if x is None or base_rss is None else x - base_rss
-
-    ms = sorted(t * 1e3 for t in times)
-    return {
-        "method": m.name, "tokens": length, "status": "ok", "reason": None,
-        "ms_median": statistics.median(ms), "ms_min": ms[0], "ms_max": ms[-1], "steps": settings.steps,
-        "prefill_s": prefill_s, "warmup_s": warmup_s, "seq_length_after": held,
-        "cache_bytes": kv, "scratch_bytes": scratch,
-        "rss_base_bytes": base_rss, "prefill_peak_rss_growth": growth(prefill_peak),
-        "decode_peak_rss_growth": growth(decode_peak), "rss_retained_growth": growth(after),
-        "plan": plan_summary(m.plans[length]) if m.moend else None,
-    }
+# --------------------------------------------------------------------------------------------- the run
 
 
 def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, table: Any = None,
@@ -264,6 +89,15 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
     """Run every method at every context length on ``model`` (in eval mode, on CPU); return the result dict
     (``meta`` and ``rows``; see :func:`add_ratios` for the derived columns). Threads: as set by the caller."""
     settings = settings or DecodeBenchSettings()
+    _check_run(model, settings, table, plan)
+    methods, plan_source = _methods(model, settings, table, plan)
+    rows = _run_all(model, methods, settings, table, progress, log or (lambda s: None))
+    result = {"format": "moend_fx.bench.decode", "version": 1,
+              "meta": _meta(model, settings, methods, plan_source), "rows": rows}
+    return add_ratios(result)
+
+
+def _check_run(model: Any, settings: DecodeBenchSettings, table: Any, plan: RoutingPlan | None) -> None:
     if plan is not None and table is not None:
         raise MoendError("give a plan or a table, not both")
     max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -274,19 +108,26 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
     if short:
         raise MoendError(f"context {short[0]} is too short for {settings.warmup} warm-up + {settings.steps} "
                          "measured steps; allowed: lengths > warmup + steps")
-    say = log or (lambda s: None)
-    fp = ModelFingerprint.from_model(model)
-    methods: list[_Method] = []
+
+
+def _methods(model: Any, settings: DecodeBenchSettings, table: Any, plan: RoutingPlan | None
+             ) -> tuple[list[DecodeMethod], str | None]:
+    """The methods to run, each MoENDCache method with its plan per context length, and where they came from."""
+    methods: list[DecodeMethod] = []
     plan_source = None
     for name in settings.methods:
         moend = name.startswith("moend")
-        backend = {"full_inductor": "inductor", "moend_compiled": "moend"}.get(name)
-        m = _Method(name, moend, backend)
+        m = DecodeMethod(name, moend, {"full_inductor": "inductor", "moend_compiled": "moend"}.get(name))
         if moend:
             for n in settings.lengths:
                 m.plans[n], plan_source = plan_for_length(model, n, settings, table=table, plan=plan)
         methods.append(m)
+    return methods, plan_source
 
+
+def _run_all(model: Any, methods: list[DecodeMethod], settings: DecodeBenchSettings, table: Any, progress: bool,
+             say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One row per (method, context length), in that order; the model is torn down after each method."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(methods) * len(settings.lengths), desc="bench decode", unit="run", disable=not progress)
@@ -295,42 +136,51 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
         for m in methods:
             reason = None
             try:
-                _setup(model, m, settings, table)
+                run.setup_model(model, m, settings, table)
             except Exception as e:  # a missing or broken backend is a result to report, not a crash
                 reason = f"setup failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             for n in settings.lengths:
                 bar.set_postfix_str(f"{m.name} @ {n}")
-                if reason is None:
-                    ids = torch.randint(0, model.config.vocab_size, (1, n - settings.warmup - settings.steps),
-                                        generator=torch.Generator().manual_seed(settings.seed + n))
-                    if m.compile_backend == "moend":
-                        # Each length has its own plan (its own bit widths per layer): a served model holds one
-                        # plan, so each length starts from fresh compiled graphs (compile time is in warmup_s).
-                        torch._dynamo.reset()
-                    try:
-                        row = _run_one(model, m, n, settings, ids, table)
-                    except MoendError:
-                        raise
-                    except Exception as e:
-                        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                        row = _unavailable(m.name, n, f"{type(e).__name__}: {msg[:300]}")
-                else:
-                    row = _unavailable(m.name, n, reason)
+                row = _row(model, m, n, settings, table) if reason is None else unavailable_row(m.name, n, reason)
                 rows.append(row)
                 if row["status"] == "ok":
                     say(f"{m.name} @ {n}: {row['ms_median']:.1f} ms/token, cache {format_bytes(row['cache_bytes'])}")
                 else:
                     say(f"{m.name} @ {n}: unavailable ({row['reason']})")
                 bar.update(1)
-            _teardown(model)
+            run.teardown_model(model)
     finally:
         bar.close()
-        _teardown(model)
+        run.teardown_model(model)
+    return rows
 
-    wb = weight_bytes(model)
-    meta = {
-        "model": fp.to_dict(), "model_name": _model_name(model), "settings": settings.to_dict(),
-        "plan_source": plan_source, "weight_bytes": wb, "threads": torch.get_num_threads(),
+
+def _row(model: Any, m: DecodeMethod, n: int, settings: DecodeBenchSettings, table: Any) -> dict[str, Any]:
+    """One method at context length ``n`` (random context tokens, seeded per length); a failure other than a
+    user error becomes an "unavailable" row with the reason."""
+    ids = torch.randint(0, model.config.vocab_size, (1, n - settings.warmup - settings.steps),
+                        generator=torch.Generator().manual_seed(settings.seed + n))
+    if m.compile_backend == "moend":
+        # Each length has its own plan (its own bit widths per layer): a served model holds one plan, so each
+        # length starts from fresh compiled graphs (compile time is in warmup_s).
+        torch._dynamo.reset()
+    try:
+        return run.run_one(model, m, n, settings, ids, table)
+    except MoendError:
+        raise
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return unavailable_row(m.name, n, f"{type(e).__name__}: {msg[:300]}")
+
+
+def _meta(model: Any, settings: DecodeBenchSettings, methods: list[DecodeMethod], plan_source: str | None
+          ) -> dict[str, Any]:
+    from moend_fx.models import model_name
+
+    fp = ModelFingerprint.from_model(model)
+    return {
+        "model": fp.to_dict(), "model_name": model_name(model), "settings": settings.to_dict(),
+        "plan_source": plan_source, "weight_bytes": weight_bytes(model), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
         "full_cache_16bit": {n: full_cache_bytes(fp, n) for n in settings.lengths},
         "full_cache_model_dtype": {n: full_cache_bytes(fp, n, dtype=None) for n in settings.lengths},
@@ -340,18 +190,6 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
                  "cache of the same tokens, 16-bit base (the paper's) and the model's dtype; roofline = "
                  "(weight bytes + cache bytes) / bandwidth",
     }
-    result = {"format": "moend_fx.bench.decode", "version": 1, "meta": meta, "rows": rows}
-    return add_ratios(result)
-
-
-def _model_name(model: Any) -> str:
-    from moend_fx.models import model_name
-
-    return model_name(model)
-
-
-def _unavailable(method: str, tokens: int, reason: str) -> dict[str, Any]:
-    return {"method": method, "tokens": tokens, "status": "unavailable", "reason": reason}
 
 
 def add_ratios(result: dict[str, Any]) -> dict[str, Any]:
@@ -387,14 +225,3 @@ def add_ratios(result: dict[str, Any]) -> dict[str, Any]:
 def _lookup(d: dict, n: int) -> int:
     # JSON turns int keys into strings
     return d[n] if n in d else d[str(n)]
-
-
-def parse_methods(text: str | Sequence[str]) -> tuple[str, ...]:
-    """``"full_eager,moend_eager"`` or ``"all"`` -> a checked tuple of method names."""
-    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
-    if items == ["all"]:
-        return METHODS
-    bad = [m for m in items if m not in METHODS]
-    if bad or not items:
-        raise MoendError(f"methods {text!r} are invalid; allowed: 'all' or a comma list of {', '.join(METHODS)}")
-    return tuple(items)

@@ -15,28 +15,19 @@ from typing import Any
 
 import torch
 
+from moend_fx.calibration.tables import load_table, require_table, table_context_length
+from moend_fx.common.defaults import CALIBRATION_TOKENS
 from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_save_figure, atomic_write_text
 
 Files = dict[str, Path]
 
 
-def default_table_path(model: str = "smollm2-135m", tokens: int = 2048) -> Path:
-    """``$MOEND_CACHE/tables/<model>-trig-<tokens>.safetensors`` (where ``moend calibrate`` saves it)."""
-    from moend_fx.models import cache_root
-
-    return cache_root() / "tables" / f"{Path(model).name.lower()}-trig-{tokens}.safetensors"
-
-
 def _model_and_table(model_name: str, table_path: Path) -> tuple[Any, Any, Any]:
     """The model, its tokenizer and a sensitivity table that exists (a clear error otherwise)."""
-    from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.models import load_model
 
-    if not table_path.is_file():
-        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
-                         "--table PATH")
-    table = SensitivityTable.load(table_path)
+    table = require_table(table_path)
     model, tok = load_model(model_name)
     return model, tok, table
 
@@ -52,11 +43,10 @@ def bench_solvers_section(table_spec: str, budgets: Sequence[str], *, trials: Se
                           repeats: int = 20, context_length: int | None = None,
                           out: str | os.PathLike) -> tuple[str, Files]:
     """compare_solvers + bench_solvers on one table (a file or ``synthetic:LAYERS[:SEED]``)."""
-    from moend_fx.cli.solve import DEFAULT_CONTEXT, load_table
     from moend_fx.solvers.compare import bench_solvers, compare_solvers, markdown_table, write_comparison
 
     table = load_table(table_spec)
-    ctx = context_length or int(table.calibration.get("context_length") or DEFAULT_CONTEXT)
+    ctx = table_context_length(table, context_length or None)
     result = compare_solvers(table, list(budgets), context_length=ctx, trials=list(trials))
     files = write_comparison(result, out)
     speed = bench_solvers(table, list(budgets), list(trials), context_length=ctx, repeats=repeats)
@@ -80,7 +70,7 @@ def bench_solvers_section(table_spec: str, budgets: Sequence[str], *, trials: Se
 # --------------------------------------------------------------------------------------------- calibrate
 
 
-def bench_calibrate_section(model_name: str, *, tokens: int = 2048, sequences: int = 1,
+def bench_calibrate_section(model_name: str, *, tokens: int = CALIBRATION_TOKENS, sequences: int = 1,
                             out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
     """Time :func:`moend_fx.calibration.pipeline.calibrate` (one prefill, then every grid config per layer)."""
     from moend_fx.calibration.pipeline import calibrate
@@ -195,8 +185,6 @@ def bench_decode_section(model_name: str, settings: Any, *, table_path: str | No
     if table_path and plan_path:
         raise MoendError("give --table or --plan, not both")
     if table_path:
-        from moend_fx.cli.solve import load_table
-
         table = load_table(table_path)
     if plan_path:
         from moend_fx.plan.routing import RoutingPlan

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from moend_fx.cache.hf_attention import ATTN_NAME
-from moend_fx.cache.moend_cache import MoENDCache, _layer_stats  # noqa: F401  (import registers "moend" attention)
+from moend_fx.cache.moend_cache import MoENDCache  # (import registers "moend" attention)
+from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.routing import RoutingPlan
 
 _STATE = "_moend_prepared"
@@ -60,13 +61,6 @@ def decode_compile_settings() -> Iterator[None]:
         yield
 
 
-def _stats_from_table(table: Any, num_layers: int) -> list[QueryStats | None] | None:
-    """Per-layer calibrated QueryStats of a SensitivityTable (None if it has none)."""
-    if not table.has_stats():
-        return None
-    return [table.layer_stats(layer) for layer in range(num_layers)]
-
-
 def _find_cache(args: tuple, kwargs: dict) -> MoENDCache | None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
@@ -92,6 +86,18 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
     if not hasattr(model, "_prepare_cache_for_generation") or not hasattr(model, "_prefill"):
         raise MoendError(f"model {type(model).__name__} is not a Hugging Face generation model")
     plan.check_model(model)
+    kw = _cache_options(model, plan, table, cache_kw)
+    MoENDCache(plan, **kw)  # fail now, not inside generate, on bad options
+    state = getattr(model, _STATE, None) or _install(model)
+    state["plan"], state["cache_kw"], state["compile_prefill"] = plan, kw, compile_prefill
+    model.moend_plan = plan
+    model.set_attn_implementation(ATTN_NAME)
+    return model
+
+
+def _cache_options(model: Any, plan: RoutingPlan, table: Any, cache_kw: dict[str, Any]) -> dict[str, Any]:
+    """The MoENDCache options ``prepare`` builds each cache with: ``cache_kw`` plus the model's RoPE and the
+    table's query statistics unless given."""
     if table is not None:
         fp_mismatch = plan.fingerprint.mismatch(table.fingerprint, "plan")
         if fp_mismatch:
@@ -103,51 +109,49 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
         if (kw.get("scorer") or plan.scorer) == "trig" and any(c.evicts for c in plan.layers):
             raise
     if table is not None and "query_stats" not in kw:
-        kw["query_stats"] = _stats_from_table(table, plan.num_layers)
-    MoENDCache(plan, **kw)  # fail now, not inside generate, on bad options
+        kw["query_stats"] = layer_query_stats(table)
+    return kw
 
-    state = getattr(model, _STATE, None)
-    if state is None:
-        original = model._prepare_cache_for_generation
-        state = {"original": original, "attn": model.config._attn_implementation}
 
-        def _prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
-            st = getattr(self, _STATE)
-            if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
-                    and generation_config.cache_implementation is None):
-                model_kwargs["cache"] = MoENDCache(st["plan"], **st["cache_kw"])
-                return None
-            return st["original"](generation_config, model_kwargs, *args, **kwargs)
+def _install(model: Any) -> dict[str, Any]:
+    """Shadow ``model``'s generation methods (see the module docstring); returns the state they read."""
+    original = model._prepare_cache_for_generation
+    state = {"original": original, "attn": model.config._attn_implementation}
 
-        def _prepare_inputs(self: Any, *args: Any, **kwargs: Any):
-            cache = _find_cache(args, kwargs)
-            if cache is not None:
-                cache.before_step()
-            return getattr(self, _STATE)["prepare_inputs"](*args, **kwargs)
+    def _prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+        st = getattr(self, _STATE)
+        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                and generation_config.cache_implementation is None):
+            model_kwargs["cache"] = MoENDCache(st["plan"], **st["cache_kw"])
+            return None
+        return st["original"](generation_config, model_kwargs, *args, **kwargs)
 
-        def _prefill(self: Any, *args: Any, **kwargs: Any):
-            st = getattr(self, _STATE)
-            if st["compile_prefill"]:
-                return st["prefill"](*args, **kwargs)
-            with torch.compiler.set_stance("force_eager"):
-                return st["prefill"](*args, **kwargs)
+    def _prepare_inputs(self: Any, *args: Any, **kwargs: Any):
+        cache = _find_cache(args, kwargs)
+        if cache is not None:
+            cache.before_step()
+        return getattr(self, _STATE)["prepare_inputs"](*args, **kwargs)
 
-        def _generate(self: Any, *args: Any, **kwargs: Any):
-            with decode_compile_settings():
-                return getattr(self, _STATE)["generate"](*args, **kwargs)
+    def _prefill(self: Any, *args: Any, **kwargs: Any):
+        st = getattr(self, _STATE)
+        if st["compile_prefill"]:
+            return st["prefill"](*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            return st["prefill"](*args, **kwargs)
 
-        state["generate"] = model.generate
-        state["prepare_inputs"] = model.prepare_inputs_for_generation
-        state["prefill"] = model._prefill
-        model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
-        model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs, model)
-        model._prefill = types.MethodType(_prefill, model)
-        model.generate = types.MethodType(_generate, model)
-        setattr(model, _STATE, state)
-    state["plan"], state["cache_kw"], state["compile_prefill"] = plan, kw, compile_prefill
-    model.moend_plan = plan
-    model.set_attn_implementation(ATTN_NAME)
-    return model
+    def _generate(self: Any, *args: Any, **kwargs: Any):
+        with decode_compile_settings():
+            return getattr(self, _STATE)["generate"](*args, **kwargs)
+
+    state["generate"] = model.generate
+    state["prepare_inputs"] = model.prepare_inputs_for_generation
+    state["prefill"] = model._prefill
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
+    model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs, model)
+    model._prefill = types.MethodType(_prefill, model)
+    model.generate = types.MethodType(_generate, model)
+    setattr(model, _STATE, state)
+    return state
 
 
 def unprepare(model: Any) -> Any:

@@ -17,7 +17,7 @@ to the attention function). The order inside one attention module is:
    form the ``moend`` compile backend fuses), which then re-evicts when the policy says so.
 
 Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction
-(plain eager code, ``moend_fx.eviction.policy``) are deferred to :meth:`MoENDLayer.before_step`, which the cache runs
+(plain eager code, ``moend_fx.eviction.evictor``) are deferred to :meth:`MoENDLayer.before_step`, which the cache runs
 before the next step, outside the graph (``moend_fx.prepare`` installs that hook on ``generate``).
 
 A prompt whose attention already ran elsewhere (a full-precision DynamicCache prefill) enters an empty layer
@@ -32,61 +32,44 @@ Positions stored with evicting layers are logical slot indices (column indices o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from moend_fx.attention.packed import packed_layer_attention
+from moend_fx.cache.masks import held_mask, logical_mask
 from moend_fx.cache.prefill_inputs import check_prefill_tensors
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.policy import BUDGET_MODES, Evicting, EvictionPolicy
-from moend_fx.eviction.scoring import Scorer, TrigScorer
+from moend_fx.eviction.evictor import DenseKV, Evictor
+from moend_fx.eviction.policy import EvictionPolicy
+from moend_fx.eviction.scorers.base import Scorer
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV
-from moend_fx.storage.quant import QuantizedTensor
 
-__all__ = ["BUDGET_MODES", "EvictionPolicy", "MoENDLayer", "PackedAttention"]
+__all__ = ["EvictionPolicy", "MoENDLayer", "PackedAttention"]
 
 PackedAttention = Callable[..., torch.Tensor]
 
 
-def _index_batch(x: Any, index: torch.Tensor) -> Any:
-    """Select batch rows ``index`` of a raw tensor or a QuantizedTensor (all fields are batch-first)."""
-    if x is None:
-        return None
-    if isinstance(x, QuantizedTensor):
-        return replace(x, codes=x.codes.index_select(0, index), scale=x.scale.index_select(0, index),
-                       zero=x.zero.index_select(0, index))
-    return x.index_select(0, index.to(x.device))
-
-
-def _needs_queries(scorer: Scorer | None) -> bool:
-    if scorer is None or scorer.name in ("keynorm", "streaming"):
-        return False
-    return not (isinstance(scorer, TrigScorer) and scorer.stats is not None)
-
-
-class MoENDLayer(Evicting, CacheLayerMixin):
-    """Compressed K/V of one transformer layer (see the module docstring for the protocol)."""
+class MoENDLayer(CacheLayerMixin):
+    """Compressed K/V of one transformer layer (see the module docstring for the protocol). What it keeps is
+    its :class:`~moend_fx.eviction.evictor.Evictor`'s (``policy`` and ``scorer`` are the evictor's)."""
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
     def __init__(
-        self, config: LayerConfig, *, layer_idx: int, group_size: int = 32, scorer: Scorer | None = None,
+        self, config: LayerConfig, *, layer_idx: int, group_size: int = GROUP_SIZE, scorer: Scorer | None = None,
         policy: EvictionPolicy | None = None, attention_fn: PackedAttention | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.group_size = group_size
-        self.policy = policy or EvictionPolicy()
-        if config.evicts and scorer is None:
-            raise MoendError(f"layer {layer_idx} ({config.name}) evicts tokens, so it needs a scorer")
-        self.scorer = scorer
+        self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx)
         self.attention_fn: PackedAttention = attention_fn or packed_layer_attention
         self._clear()
 
@@ -95,16 +78,20 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: str | None = None  # "prefill" | "packed" while an update awaits its attention
         self.logical = 0  # tokens fed so far (padding included): what HF sees as the sequence length
-        self.decode_steps = 0
-        self.evictions = 0
-        # A decode step that ran inside a compiled graph left its step count and eviction to before_step:
-        # (True, the step's bool mask [B, 1, 1, S] or None), else (False, None).
-        self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
-        self._rope_offset: torch.Tensor | None = None  # [B] slot - RoPE position (left padding)
-        # Scorer scratch (not part of the cache's bytes): last W post-RoPE queries, their slots and RoPE positions.
-        self._q_win: torch.Tensor | None = None  # [B, H, W, D]
-        self._q_slots: torch.Tensor | None = None  # [W] int64
-        self._q_pos: torch.Tensor | None = None  # [B, W] int64
+        self.evictor.clear()
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.evictor.policy
+
+    @property
+    def scorer(self) -> Scorer | None:
+        return self.evictor.scorer
+
+    @property
+    def evictions(self) -> int:
+        """How many times this layer has evicted."""
+        return self.evictor.evictions
 
     # ------------------------------------------------------------------ CacheLayerMixin protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -119,11 +106,11 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         if self._pending is not None:
             raise MoendError(
                 f"layer {self.layer_idx}: the previous update was never attended by the 'moend' attention "
-                f"function (attn_implementation is {self._attn_hint()}); call moend_fx.prepare(model, plan) or "
+                "function (attn_implementation is not 'moend'); call moend_fx.prepare(model, plan) or "
                 "model.set_attn_implementation('moend') before using MoENDCache"
             )
-        if self._deferred[0]:
-            self._finish_deferred()  # nobody called before_step: do it now (a graph break when compiled)
+        if self.evictor.deferred:  # nobody called before_step: finish now (a graph break when compiled)
+            self.packed = self.evictor.finish_deferred(self.packed, self.logical)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         attn_kwargs = kwargs.get("kwargs")
@@ -145,9 +132,6 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         self.packed = self.packed.append(key_states, value_states, pos, keep_full=True)
         self._pending = "packed"
         return key_states, value_states
-
-    def _attn_hint(self) -> str:
-        return "not 'moend'"
 
     def get_seq_length(self) -> int:
         return self.logical
@@ -178,15 +162,8 @@ class MoENDLayer(Evicting, CacheLayerMixin):
             raise MoendError("cannot reorder the cache between an update and its attention")
         self.settle()  # a deferred eviction uses the step's mask, whose rows are in the old order
         if self.packed is not None:
-            p = self.packed
-            self.packed = replace(
-                p, k_packed=_index_batch(p.k_packed, idx), v_packed=_index_batch(p.v_packed, idx),
-                k_res=_index_batch(p.k_res, idx), v_res=_index_batch(p.v_res, idx),
-                positions=_index_batch(p.positions, idx),
-            )
-        self._q_win = _index_batch(self._q_win, idx)
-        self._q_pos = _index_batch(self._q_pos, idx)
-        self._rope_offset = _index_batch(self._rope_offset, idx)
+            self.packed = self.packed.index_batch(idx)
+        self.evictor.index_batch(idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized and self.batch_size > 0:
@@ -216,47 +193,17 @@ class MoENDLayer(Evicting, CacheLayerMixin):
 
     def scratch_nbytes(self) -> int:
         """Bytes of the scorer's query window (not K/V storage; absent for trig with calibrated stats)."""
-        return sum(t.numel() * t.element_size() for t in (self._q_win, self._q_pos) if t is not None)
+        return self.evictor.nbytes()
 
     @property
     def pending_prefill(self) -> bool:
         return self._pending == "prefill"
 
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's and the scorer's query window."""
+        return ([] if self.packed is None else self.packed.tensors()) + self.evictor.tensors()
+
     # ------------------------------------------------------------------ called by the attention function
-    def _mask_bool(self, mask: torch.Tensor | None, n_queries: int) -> torch.Tensor | None:
-        """The logical mask as bool [B, 1, L, S_logical] (True = may attend), or None."""
-        if mask is None:
-            return None
-        if mask.dim() != 4 or mask.shape[-1] != self.logical or mask.shape[-2] != n_queries:
-            raise MoendError(
-                f"layer {self.layer_idx}: attention mask {tuple(mask.shape)} must be [B, 1, L={n_queries}, "
-                f"S={self.logical}] (the logical length); a custom 4D mask must cover every token fed"
-            )
-        if mask.dtype != torch.bool:
-            mask = mask == 0  # additive float mask: 0 = attend, -inf (or min) = masked
-        return mask[:, :1]
-
-    def _track(self, q: torch.Tensor, position_ids: torch.Tensor | None) -> None:
-        """Record the RoPE offset per row and the scorer's window of the last W queries q: [B, H, L, D]."""
-        b, _, n_q, _ = q.shape
-        slots = torch.arange(self.logical - n_q, self.logical, device=q.device)
-        if position_ids is not None:
-            pid = position_ids.to(q.device).long().expand(b, -1)[:, -n_q:]
-            self._rope_offset = slots[-1] - pid[:, -1]
-        elif self._rope_offset is None:
-            self._rope_offset = torch.zeros(b, dtype=torch.long, device=q.device)
-        if not _needs_queries(self.scorer):
-            return
-        w = self.policy.window
-        qpos = slots[None, :] - self._rope_offset[:, None]
-        q = q[:, :, -w:]
-        slots, qpos = slots[-w:], qpos[:, -w:]
-        if self._q_win is not None and q.shape[2] < w:
-            q = torch.cat([self._q_win, q], dim=2)[:, :, -w:]
-            slots = torch.cat([self._q_slots, slots])[-w:]
-            qpos = torch.cat([self._q_pos, qpos], dim=1)[:, -w:]
-        self._q_win, self._q_slots, self._q_pos = q.detach(), slots, qpos
-
     def finish_prefill(
         self, query: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
     ) -> None:
@@ -268,8 +215,8 @@ class MoENDLayer(Evicting, CacheLayerMixin):
             raise MoendError(f"layer {self.layer_idx}: finish_prefill without a staged prefill")
         k, v = self._staged
         self._staged, self._pending = None, None
-        lmask = self._mask_bool(mask, query.shape[2])
-        self._track(query, position_ids)
+        lmask = logical_mask(mask, query.shape[2], self.logical, f"layer {self.layer_idx}")
+        self.evictor.observe(query, self.logical, position_ids)
         self._compress_prompt(k, v, lmask)
 
     def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None) -> None:
@@ -287,17 +234,16 @@ class MoENDLayer(Evicting, CacheLayerMixin):
         if self.packed is not None or self._staged is not None or self.logical:
             raise MoendError(f"{where}: load_prefill needs an empty layer; it already holds {self.logical} tokens "
                              "(build a fresh cache, or reset() it)")
-        needs = self.config.evicts and _needs_queries(self.scorer)
-        check_prefill_tensors(where, keys, values, queries, needs_queries=needs,
-                              scorer=getattr(self.scorer, "name", None), config=self.config.name)
-        b, t = keys.shape[0], keys.shape[2]
+        needs = self.config.evicts and self.evictor.needs_queries
+        shape = check_prefill_tensors(where, keys, values, queries, needs_queries=needs, config=self.config.name,
+                                      scorer=None if self.scorer is None else str(self.scorer.name))
         self.lazy_initialization(keys, values)
-        self.logical = t
+        self.logical = shape.tokens
         if queries is None:
-            self._rope_offset = torch.zeros(b, dtype=torch.long, device=keys.device)
+            self.evictor.unpadded(shape.batch, keys.device)
         else:
-            # the W queries are those of the prompt's last W slots, as _track sees them in a real prefill
-            self._track(queries, None)
+            # the W queries are those of the prompt's last W slots, as observe sees them in a real prefill
+            self.evictor.observe(queries, self.logical, None)
         self._compress_prompt(keys, values, None)
 
     def _compress_prompt(self, k: torch.Tensor, v: torch.Tensor, lmask: torch.Tensor | None) -> None:
@@ -307,7 +253,7 @@ class MoENDLayer(Evicting, CacheLayerMixin):
             b, h, n = k.shape[:3]
             pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, h, n)
         # Evict on the exact prompt K/V, then quantize once (not quantize, dequantize and re-quantize).
-        self._maybe_evict(lmask, chunk=True, dense=(k, v, pos))
+        self.packed = self.evictor.evict(DenseKV(k, v, pos), lmask, chunk=True, logical=self.logical)
 
     def attend(
         self, query: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
@@ -322,20 +268,18 @@ class MoENDLayer(Evicting, CacheLayerMixin):
             raise MoendError(f"layer {self.layer_idx}: attend without a preceding update")
         self._pending = None
         n_q = query.shape[2]
-        lmask = self._mask_bool(mask, n_q)
-        held_mask = None
+        lmask = logical_mask(mask, n_q, self.logical, f"layer {self.layer_idx}")
+        hmask = None
         if lmask is not None:
-            held_mask = self._gather_mask(lmask, query.shape[1])
-        out = self.attention_fn(query, self.packed, scale=scale, causal_chunk=True, mask=held_mask)
-        self._track(query, position_ids)
-        if n_q == 1 and torch.compiler.is_compiling():
-            # Counting and evicting read Python ints and data-dependent sizes: left to before_step, outside
-            # the graph, so the compiled decode step stays one graph with no guard on the step count.
-            self._deferred = (True, lmask)
-            return out
-        if n_q == 1:
-            self.decode_steps += 1
-        self._maybe_evict(lmask, chunk=n_q > 1)
+            hmask = held_mask(lmask, self.packed.positions, self.packed.num_tokens, query.shape[1])
+        out = self.attention_fn(query, self.packed, scale=scale, causal_chunk=True, mask=hmask)
+        self.evictor.observe(query, self.logical, position_ids)
+        if n_q > 1:
+            self.packed = self.evictor.evict(self.packed, lmask, chunk=True, logical=self.logical)
+        elif torch.compiler.is_compiling():
+            self.evictor.defer(lmask)  # counted and evicted by before_step, outside the graph
+        else:
+            self.packed = self.evictor.decode_step(self.packed, lmask, self.logical)
         return out
 
     def before_step(self) -> None:
@@ -349,38 +293,7 @@ class MoENDLayer(Evicting, CacheLayerMixin):
     def settle(self) -> None:
         """Between steps (eager code, never traced): finish a decode step deferred by a compiled graph, then flush
         a full residual window, so the storage is what ``memory.layer_bytes`` counts for the held tokens."""
-        if self._deferred[0]:
-            self._finish_deferred()
+        if self.evictor.deferred:
+            self.packed = self.evictor.finish_deferred(self.packed, self.logical)
         if self._pending is None and self.packed is not None:
             self.packed = self.packed.flush()
-
-    @torch.compiler.disable
-    def _finish_deferred(self) -> None:
-        _, lmask = self._deferred
-        self._deferred = (False, None)
-        self.decode_steps += 1
-        self._maybe_evict(lmask, chunk=False)
-
-    def stored_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's fields and the scorer's
-        query window."""
-        out: list[torch.Tensor] = []
-        p = self.packed
-        if p is not None:
-            for block in (p.k_packed, p.v_packed):
-                out += [block] if isinstance(block, torch.Tensor) else [block.codes, block.scale, block.zero]
-            out += [p.k_res, p.v_res] + ([p.positions] if p.positions is not None else [])
-        if self._q_win is not None:
-            out.append(self._q_win)
-        return out
-
-    def _gather_mask(self, lmask: torch.Tensor, num_heads: int) -> torch.Tensor:
-        """Logical mask [B, 1, L, S] -> [B, 1 or H, L, n] at the held tokens' positions."""
-        p = self.packed
-        if p.positions is None:
-            return lmask[..., : p.num_tokens]
-        b, hkv, n = p.positions.shape
-        l_q = lmask.shape[2]
-        cols = p.positions.long()[:, :, None, :].expand(b, hkv, l_q, n)
-        m = lmask.expand(b, hkv, l_q, lmask.shape[-1]).gather(3, cols)  # [B, Hkv, L, n]
-        return m.repeat_interleave(num_heads // hkv, dim=1)

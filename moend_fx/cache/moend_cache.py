@@ -19,10 +19,14 @@ import torch
 from transformers.cache_utils import Cache
 
 import moend_fx.cache.hf_attention  # noqa: F401  (registers the "moend" attention function)
-from moend_fx.cache.layer import BUDGET_MODES, EvictionPolicy, MoENDLayer, PackedAttention
+from moend_fx.cache.layer import MoENDLayer, PackedAttention
+from moend_fx.common.checks import check_choice
+from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import BudgetMode
+from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.rope import QueryStats, RopeSpec
-from moend_fx.eviction.scoring import SCORERS, Scorer, get_scorer
+from moend_fx.eviction.scorers import Scorer, build_scorer
 from moend_fx.plan.memory import dtype_bytes, keep_count, keep_floor, layer_bytes
 from moend_fx.plan.routing import RoutingPlan
 
@@ -49,23 +53,6 @@ def _layer_stats(query_stats: Any, layer: int) -> QueryStats | None:
     return stats
 
 
-def build_scorer(name_or_scorer: str | Scorer, *, rope: RopeSpec | None, stats: QueryStats | None,
-                 **scorer_kw: Any) -> Scorer:
-    """A scorer instance for one layer. ``trig`` gets ``rope`` and the layer's calibrated ``stats``."""
-    if isinstance(name_or_scorer, Scorer):
-        return name_or_scorer
-    if not isinstance(name_or_scorer, str) or name_or_scorer not in SCORERS:
-        raise MoendError(f"scorer={name_or_scorer!r} is unknown; allowed: {sorted(SCORERS)} or a Scorer instance")
-    if name_or_scorer == "trig":
-        if rope is None:
-            raise MoendError(
-                "the trig scorer needs rope=RopeSpec: use moend_fx.prepare(model, plan), or pass "
-                "rope=moend_fx.eviction.rope.rope_from_model(model) (or pick another scorer, e.g. scorer='snapkv')"
-            )
-        return get_scorer("trig", rope=rope, stats=stats, **scorer_kw)
-    return get_scorer(name_or_scorer, **scorer_kw)
-
-
 class MoENDCache(Cache):
     """Compressed KV cache for one :class:`RoutingPlan` (one :class:`MoENDLayer` per model layer).
 
@@ -88,13 +75,13 @@ class MoENDCache(Cache):
 
     def __init__(
         self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
-        query_stats: Any = None, evict_every: int = 128, budget_mode: str = "ratio", window: int = 32,
-        attention_fn: PackedAttention | None = None, scorer_kwargs: dict[str, Any] | None = None,
+        query_stats: Any = None, evict_every: int = EVICT_EVERY, budget_mode: str = BudgetMode.RATIO,
+        window: int = QUERY_WINDOW, attention_fn: PackedAttention | None = None,
+        scorer_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(plan, RoutingPlan):
             raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
-        if budget_mode not in BUDGET_MODES:
-            raise MoendError(f"budget_mode={budget_mode!r} is unknown; allowed: {list(BUDGET_MODES)}")
+        budget_mode = check_choice("budget_mode", budget_mode, BudgetMode)
         if rope is not None and rope.head_dim != plan.fingerprint.head_dim:
             raise MoendError(f"rope head_dim {rope.head_dim} != the plan's head_dim {plan.fingerprint.head_dim}")
         self.plan = plan
@@ -104,14 +91,15 @@ class MoENDCache(Cache):
         floor = keep_floor(plan)
         for i, cfg in enumerate(plan.layers):
             cap = None
-            if budget_mode == "capacity":
+            if budget_mode == BudgetMode.CAPACITY:
                 # a layer that keeps everything cannot evict: its cap stays the plan's context length
                 cap = keep_count(plan.context_length, cfg.keep_ratio)
                 cap = max(cap, floor) if cfg.evicts else cap
             policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, cap)
             sc = None
             if cfg.evicts:
-                sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), **(scorer_kwargs or {}))
+                sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), query_window=window,
+                                  **(scorer_kwargs or {}))
             layers.append(MoENDLayer(cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy,
                                      attention_fn=attention_fn))
         super().__init__(layers=layers)

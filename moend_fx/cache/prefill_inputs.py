@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moend_fx.common.errors import MoendError
 
 
+class PrefillShape(NamedTuple):
+    """The sizes of a checked prompt: B, Hkv, T, D of its keys and W of its queries (0 = no queries)."""
+
+    batch: int
+    kv_heads: int
+    tokens: int
+    head_dim: int
+    queries: int
+
+
 def check_prefill_tensors(where: str, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, *,
-                          needs_queries: bool, scorer: str | None, config: str) -> None:
-    """Raise a MoendError naming the problem unless keys, values: [B, Hkv, T, D] (same shape, B, T >= 1) and
-    queries: None or [B, H, W, D] with H a multiple of Hkv and 1 <= W <= T. ``needs_queries``: the layer's
-    scorer cannot score without them (then None is an error too)."""
+                          needs_queries: bool, scorer: str | None, config: str) -> PrefillShape:
+    """The prompt's sizes, or a MoendError naming the problem unless keys, values: [B, Hkv, T, D] (same shape,
+    B, T >= 1) and queries: None or [B, H, W, D] with H a multiple of Hkv and 1 <= W <= T. ``needs_queries``: the
+    layer's scorer cannot score without them (then None is an error too)."""
     for name, t in (("keys", keys), ("values", values)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -40,3 +52,4 @@ def check_prefill_tensors(where: str, keys: torch.Tensor, values: torch.Tensor, 
                 f"{where}: queries {tuple(queries.shape)} must be [B={b}, H, W, D={d}] with H a multiple of "
                 f"Hkv={hkv} and 1 <= W <= T={t} (the last W prompt tokens' post-RoPE queries)"
             )
+    return PrefillShape(b, hkv, t, d, 0 if queries is None else queries.shape[2])

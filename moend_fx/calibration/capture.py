@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 
@@ -135,8 +136,7 @@ class AttentionCapture:
 
     def __init__(self, model: Any, *, window: int = 64, rope: RopeSpec | None = None,
                  stats: dict[int, QueryStats] | None = None, keep_kv: bool = True) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise MoendError(f"window={window!r} is invalid; allowed: an integer >= 1")
+        check_int("window", window)
         if stats is not None and rope is None:
             raise MoendError("query statistics need the model's RoPE (rope=rope_from_model(model))")
         self.model = model

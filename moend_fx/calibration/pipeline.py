@@ -3,8 +3,9 @@
 Per calibration sequence: one prefill with :class:`~moend_fx.calibration.capture.AttentionCapture` records, per layer,
 post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Then, one layer at a time:
 
-1. score the tokens once (``trig`` by default, with the statistics accumulated so far);
-2. for each keep ratio, select tokens exactly as the cache does (``scoring.select_tokens``: sinks, recent
+1. score the tokens once (``trig`` by default, with the statistics accumulated so far), with the scorer built
+   as the cache builds it (:func:`moend_fx.eviction.scorers.build_scorer`: same options, same query window);
+2. for each keep ratio, select tokens exactly as the cache does (``selection.select_tokens``: sinks, recent
    window, best scores) and gather them with their original positions;
 3. compress the kept K for each K bit width and the kept V for each V bit width with
    :meth:`PackedKV.from_dense` + ``dequantize`` (so the table sees exactly what the cache stores, residual
@@ -28,70 +29,60 @@ import torch
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
 from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
+from moend_fx.common.checks import check_choice, check_int, check_power_of_two
+from moend_fx.common.defaults import CALIBRATION_TOKENS, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec, rope_from_model
-from moend_fx.eviction.scoring import get_scorer, select_tokens
+from moend_fx.common.options import ScorerName
+from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.scorers import SCORERS, build_scorer, default_options
+from moend_fx.eviction.selection import select_tokens
 from moend_fx.plan.memory import keep_count
-from moend_fx.plan.routing import ALLOWED_SCORERS, Grid, LayerConfig, ModelFingerprint
+from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint
 from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.tokens import gather_tokens
+
+__all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", "scorer_options",
+           "stale_reason", "window_attention"]
 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """How a table was calibrated (stored in the table's metadata)."""
+    """How a table was calibrated (stored in the table's metadata).
 
-    tokens: int = 2048
+    window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
+    ``moend_fx.common.defaults.QUERY_WINDOW``, of them)."""
+
+    tokens: int = CALIBRATION_TOKENS
     num_sequences: int = 1
     seed: int = 0
-    scorer: str = "trig"
+    scorer: ScorerName = ScorerName.TRIG
     window: int = 64
-    group_size: int = 32
-    sink_tokens: int = 4
-    recent_tokens: int = 32
+    group_size: int = GROUP_SIZE
+    sink_tokens: int = SINK_TOKENS
+    recent_tokens: int = RECENT_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "num_sequences", "window", "group_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: a positive integer")
+        for name in ("tokens", "num_sequences", "window"):
+            check_int(name, getattr(self, name))
         for name in ("sink_tokens", "recent_tokens", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: an integer >= 0")
-        if self.group_size & (self.group_size - 1):
-            raise MoendError(f"group_size={self.group_size} is invalid; allowed: a power of two")
-        if self.scorer not in ALLOWED_SCORERS:
-            raise MoendError(f"scorer={self.scorer!r} is unknown; allowed: {list(ALLOWED_SCORERS)}")
+            check_int(name, getattr(self, name), minimum=0)
+        check_power_of_two("group_size", self.group_size)
+        object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _body(model: Any) -> Any:
+def model_body(model: Any) -> Any:
     """The transformer without its LM head (``model.base_model``), else the model itself."""
     body = getattr(model, "base_model", None)
     return body if body is not None and body is not model else model
 
 
-def build_scorer(name: str, rope: RopeSpec | None, stats: QueryStats | None, window: int) -> Any:
-    """The eviction scorer for one layer: ``trig`` gets the RoPE and the calibrated statistics."""
-    if name == "trig":
-        return get_scorer("trig", rope=rope, stats=stats)
-    if name == "snapkv":
-        return get_scorer("snapkv", window=window)
-    return get_scorer(name)
-
-
 def scorer_options(name: str) -> dict[str, Any]:
-    """The scorer's default options (JSON-ready): recorded in a table, so a table calibrated with another
-    version of the scorer is recognised (:func:`stale_reason`). Needs no RoPE or stats."""
-    import dataclasses
-
-    from moend_fx.eviction.scoring import SCORERS
-
-    skip = {"rope", "stats", "offsets"}
-    return {f.name: f.default for f in dataclasses.fields(SCORERS[name])
-            if f.init and f.name not in skip and f.default is not dataclasses.MISSING}
+    """The options (JSON-ready) this version builds scorer ``name`` with: recorded in a table, so a table
+    calibrated with another version of the scorer is recognised (:func:`stale_reason`). Needs no RoPE or stats."""
+    return default_options(name)
 
 
 def stale_reason(table: Any) -> str | None:
@@ -100,8 +91,8 @@ def stale_reason(table: Any) -> str | None:
     The cache scores tokens with the current defaults, so a table measured with older ones mis-predicts
     what eviction costs: recalibrate it (``moend calibrate``)."""
     cal = table.calibration
-    name = str(cal.get("scorer", "trig"))
-    if name not in ALLOWED_SCORERS:
+    name = str(cal.get("scorer", ScorerName.TRIG))
+    if name not in SCORERS:
         return None
     want = scorer_options(name)
     got = cal.get("scorer_options")
@@ -131,7 +122,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, ref_norm: float) -> float:
     return float((out.double() - ref.double()).norm()) / ref_norm
 
 
-def _kept(cap: LayerCapture, scores: torch.Tensor, keep: float, sink: int, recent: int,
+def kept_tokens(cap: LayerCapture, scores: torch.Tensor, keep: float, sink: int, recent: int,
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Kept K, V [B, Hkv, n, D] and positions [B, Hkv, n] (None when nothing is evicted)."""
     b, hkv, t, _ = cap.keys.shape
@@ -140,8 +131,7 @@ def _kept(cap: LayerCapture, scores: torch.Tensor, keep: float, sink: int, recen
         return cap.keys, cap.values, None
     kp = cap.key_positions[:, None, :].expand(b, hkv, t)
     idx, pos = select_tokens(scores, n, sink_tokens=sink, recent_tokens=recent, key_positions=kp)
-    gi = idx[..., None].expand(-1, -1, -1, cap.keys.shape[-1])
-    return cap.keys.gather(2, gi), cap.values.gather(2, gi), pos
+    return gather_tokens(cap.keys, idx), gather_tokens(cap.values, idx), pos
 
 
 def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, keep: float, bits: int,
@@ -158,8 +148,8 @@ def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, ke
     return kk if side == "k" else vv
 
 
-def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int = 32, sink_tokens: int = 4,
-                 recent_tokens: int = 32) -> np.ndarray:
+def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int = GROUP_SIZE,
+                 sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> np.ndarray:
     """Relative L2 error of the window queries' attention output for every grid config: [C] float64."""
     b, hkv, t, _ = cap.keys.shape
     q, qpos = cap.queries, cap.query_positions  # [B, H, W, D], [B, W]
@@ -180,7 +170,7 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
         scores = scorer.score(cap.keys, cap.values, queries=q, key_positions=kp, query_positions=qpos)
     errs: dict[LayerConfig, float] = {}
     for keep in grid.keep_ratios:
-        k, v, pos = _kept(cap, scores, keep, sink_tokens, recent_tokens)
+        k, v, pos = kept_tokens(cap, scores, keep, sink_tokens, recent_tokens)
         allowed = allowed_for(pos)
         vs = [compress_side(k, v, pos, keep, vb, "v", group_size) for vb in grid.v_bits]
         for kb in grid.k_bits:
@@ -189,6 +179,62 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
             for vb, out in zip(grid.v_bits, outs):
                 errs[LayerConfig(keep, kb, vb)] = _rel_err(out, ref, ref_norm)
     return np.array([errs[c] for c in grid.configs], dtype=np.float64)
+
+
+def _settings_and_tokens(model: Any, tokenizer: Any | None, token_ids: torch.Tensor | None,
+                         settings: CalibrationSettings | None, overrides: dict[str, Any],
+                         ) -> tuple[CalibrationSettings, torch.Tensor, dict[str, Any]]:
+    """calibrate()'s settings with ``overrides`` applied, the token ids [N, T] and a description of their source."""
+    settings = settings or CalibrationSettings()
+    if overrides:
+        bad = sorted(set(overrides) - set(CalibrationSettings.__dataclass_fields__))
+        if bad:
+            raise MoendError(f"calibrate() got unknown option(s) {bad}; allowed: "
+                             f"{sorted(CalibrationSettings.__dataclass_fields__)}")
+        settings = CalibrationSettings(**{**settings.to_dict(), **overrides})
+    if token_ids is None:
+        token_ids, source = token_sequences(model, tokenizer, settings.num_sequences, settings.tokens,
+                                            seed=settings.seed, split="calibration")
+        return settings, token_ids, source
+    token_ids = torch.as_tensor(token_ids)
+    if token_ids.dim() != 2 or token_ids.shape[1] < 2 or token_ids.dtype.is_floating_point:
+        raise MoendError(f"token_ids must be an integer [N, T] tensor with T >= 2; got "
+                         f"{tuple(token_ids.shape)} {token_ids.dtype}")
+    settings = CalibrationSettings(**{**settings.to_dict(), "tokens": int(token_ids.shape[1]),
+                                      "num_sequences": int(token_ids.shape[0])})
+    return settings, token_ids, {"kind": "token_ids"}
+
+
+def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: CalibrationSettings,
+                   stats: dict[int, QueryStats], progress: bool) -> np.ndarray:
+    """Sum over the sequences token_ids [N, T] of every layer's :func:`layer_errors`: [L, C] float64. ``stats``
+    (layer -> QueryStats) accumulates the pre-RoPE query statistics along the way."""
+    from tqdm.auto import tqdm
+
+    num_layers = ModelFingerprint.from_model(model).num_layers
+    rope = rope_from_model(model)
+    total = np.zeros((num_layers, len(grid)), dtype=np.float64)
+    device = next(model.parameters()).device
+    bar = tqdm(total=num_layers * token_ids.shape[0], desc="calibrate (layers x sequences)",
+               disable=not progress, unit="layer")
+    try:
+        for s in range(token_ids.shape[0]):
+            cap = AttentionCapture(model, window=settings.window, rope=rope, stats=stats)
+            with torch.no_grad(), cap:
+                # the base model only: the LM head over every prefill token is wasted work here
+                model_body(model)(input_ids=token_ids[s:s + 1].to(device), use_cache=False)
+            with torch.no_grad():
+                for layer in range(num_layers):
+                    lc = cap.pop(layer)
+                    scorer = build_scorer(settings.scorer, rope=rope, stats=stats.get(layer))
+                    total[layer] += layer_errors(lc, grid, scorer, group_size=settings.group_size,
+                                                 sink_tokens=settings.sink_tokens,
+                                                 recent_tokens=settings.recent_tokens)
+                    del lc
+                    bar.update(1)
+    finally:
+        bar.close()
+    return total
 
 
 def calibrate(
@@ -208,52 +254,11 @@ def calibrate(
     synthetic records with a tokenizer; seeded random ids without one). Keyword ``overrides`` replace fields of
     ``settings`` (e.g. ``calibrate(model, tok, tokens=1024, scorer="snapkv")``).
     """
-    settings = settings or CalibrationSettings()
-    if overrides:
-        bad = sorted(set(overrides) - set(CalibrationSettings.__dataclass_fields__))
-        if bad:
-            raise MoendError(f"calibrate() got unknown option(s) {bad}; allowed: "
-                             f"{sorted(CalibrationSettings.__dataclass_fields__)}")
-        settings = CalibrationSettings(**{**settings.to_dict(), **overrides})
+    settings, token_ids, source = _settings_and_tokens(model, tokenizer, token_ids, settings, overrides)
     grid = grid or Grid()
     fp = ModelFingerprint.from_model(model)
-    if token_ids is None:
-        token_ids, source = token_sequences(model, tokenizer, settings.num_sequences, settings.tokens,
-                                            seed=settings.seed, split="calibration")
-    else:
-        token_ids = torch.as_tensor(token_ids)
-        if token_ids.dim() != 2 or token_ids.shape[1] < 2 or token_ids.dtype.is_floating_point:
-            raise MoendError(f"token_ids must be an integer [N, T] tensor with T >= 2; got "
-                             f"{tuple(token_ids.shape)} {token_ids.dtype}")
-        settings = CalibrationSettings(**{**settings.to_dict(), "tokens": int(token_ids.shape[1]),
-                                          "num_sequences": int(token_ids.shape[0])})
-        source = {"kind": "token_ids"}
-    rope = rope_from_model(model)
     stats: dict[int, QueryStats] = {}
-    total = np.zeros((fp.num_layers, len(grid)), dtype=np.float64)
-    device = next(model.parameters()).device
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=fp.num_layers * token_ids.shape[0], desc="calibrate (layers x sequences)",
-               disable=not progress, unit="layer")
-    try:
-        for s in range(token_ids.shape[0]):
-            cap = AttentionCapture(model, window=settings.window, rope=rope, stats=stats)
-            with torch.no_grad(), cap:
-                # the base model only: the LM head over every prefill token is wasted work here
-                _body(model)(input_ids=token_ids[s:s + 1].to(device), use_cache=False)
-            with torch.no_grad():
-                for layer in range(fp.num_layers):
-                    lc = cap.pop(layer)
-                    scorer = build_scorer(settings.scorer, rope, stats.get(layer), settings.window)
-                    total[layer] += layer_errors(lc, grid, scorer, group_size=settings.group_size,
-                                                 sink_tokens=settings.sink_tokens,
-                                                 recent_tokens=settings.recent_tokens)
-                    del lc
-                    bar.update(1)
-    finally:
-        bar.close()
-    S = total / token_ids.shape[0]
+    S = _summed_errors(model, token_ids, grid, settings, stats, progress) / token_ids.shape[0]
     calibration = {**settings.to_dict(), "scorer_options": scorer_options(settings.scorer),
                    "context_length": settings.tokens, "source": source,
                    "metric": "relative L2 error of the attention output of the last `window` queries, "

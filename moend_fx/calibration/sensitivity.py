@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from moend_fx.common.checks import check_int
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError, PlanError, TableError
 from moend_fx.common.io import atomic_write_bytes
 from moend_fx.plan.memory import plan_layer_bytes
@@ -49,7 +51,7 @@ class SensitivityTable:
     S: np.ndarray
     grid: Grid
     fingerprint: ModelFingerprint
-    group_size: int = 32
+    group_size: int = GROUP_SIZE
     calibration: dict[str, Any] = field(default_factory=dict)
     query_stats: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -62,8 +64,7 @@ class SensitivityTable:
         if not np.isfinite(S).all():
             raise TableError("S holds non-finite values (NaN or inf); recalibrate")
         object.__setattr__(self, "S", S)
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise TableError(f"group_size={self.group_size!r} is invalid; allowed: a positive integer")
+        check_int("group_size", self.group_size, error=TableError)
         object.__setattr__(self, "query_stats", {k: np.asarray(v) for k, v in self.query_stats.items()})
 
     # -- queries --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any, NoReturn
 
 from moend_fx.common.errors import MoendError
 
@@ -23,25 +24,43 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own exit code 2, one line, no usage dump
+class MoendParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with one-line errors, that remembers its subcommands and the options added
+    to it directly (argparse keeps both in private attributes)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set first: argparse's own __init__ already adds --help through add_argument.
+        self.declared: list[argparse.Action] = []
+        self._subcommand_group: Any = None
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:  # argparse's own exit code 2, one line, no usage dump
         self.exit(2, f"moend: error: {message} (see '{self.prog} --help')\n")
 
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.declared.append(action)
+        return action
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("parser_class", MoendParser)
+        self._subcommand_group = super().add_subparsers(**kwargs)
+        return self._subcommand_group
+
+    def subcommands(self) -> dict[str, argparse.ArgumentParser]:
+        """``{name: parser}`` of the subcommands added to this parser, in order (empty if none): the
+        ``choices`` of the action ``add_subparsers`` returned."""
+        return dict(self._subcommand_group.choices) if self._subcommand_group is not None else {}
+
+
+def build_parser() -> MoendParser:
+    parser = MoendParser(
         prog="moend",
         description="MoE-nD per-layer KV-cache compression: calibrate, solve, evaluate, compile, benchmark.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # subcommand not written yet
-                continue
-            raise
-        mod.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

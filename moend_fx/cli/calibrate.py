@@ -12,16 +12,11 @@ from typing import Any
 import numpy as np
 
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.cli.args import positive_int
-from moend_fx.plan.routing import ALLOWED_SCORERS
-
-
-def default_table_path(model: str, scorer: str, tokens: int) -> Path:
-    """``$MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors``."""
-    from moend_fx.models import cache_root
-
-    name = Path(model).name.lower().replace("/", "-")
-    return cache_root() / "tables" / f"{name}-{scorer}-{tokens}.safetensors"
+from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path
+from moend_fx.cli.args import csv_list, names, positive_int
+from moend_fx.common.defaults import DEFAULT_MODEL
+from moend_fx.common.options import ScorerName
+from moend_fx.plan.config import LayerConfig
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -38,7 +33,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=args.scorer,
                       seed=args.seed, window=args.window, progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    out = Path(args.out) if args.out else default_table_path(args.model, args.scorer, args.tokens)
+    out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=args.scorer)
     table.save(out)
     print(f"calibrated {table.num_layers} layers x {len(table.grid)} configs on {args.sequences} x "
           f"{args.tokens} tokens in {wall:.1f} s wall ({cpu:.1f} s CPU, {torch.get_num_threads()} threads)")
@@ -65,7 +60,7 @@ def table_text(table: SensitivityTable) -> str:
     heads = [f"K{kb}/V{vb}" for kb in g.k_bits for vb in g.v_bits]
     lines.append("keep   " + " ".join(f"{h:>9}" for h in heads))
     for keep in g.keep_ratios:
-        vals = [table.column(_cfg(keep, kb, vb)).mean() for kb in g.k_bits for vb in g.v_bits]
+        vals = [table.column(LayerConfig(keep, kb, vb)).mean() for kb in g.k_bits for vb in g.v_bits]
         lines.append(f"{keep:<6g} " + " ".join(f"{v:9.4f}" for v in vals))
     rows = spread_rows(table)
     if rows:
@@ -75,12 +70,6 @@ def table_text(table: SensitivityTable) -> str:
             lines.append(f"  {r['name']:<32} ours {ours:>9}  paper {r['paper']}x  "
                          f"(most sensitive layer {r['argmax_layer']}, least {r['argmin_layer']})")
     return "\n".join(lines)
-
-
-def _cfg(keep: float, kb: int, vb: int) -> Any:
-    from moend_fx.plan.routing import LayerConfig
-
-    return LayerConfig(keep, kb, vb)
 
 
 def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
@@ -128,7 +117,7 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     table = SensitivityTable.load(args.table)
-    budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+    budgets = tuple(csv_list(args.budgets))
     settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, continuation=args.continuation,
                              seed=args.seed, random_plans=args.plans, budgets=budgets, solver=args.solver,
                              window=args.window)
@@ -140,20 +129,26 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def register(subparsers: Any) -> None:
+    # The defaults are the library's own (one home): the settings classes' field defaults.
+    from moend_fx.calibration.pipeline import CalibrationSettings
+    from moend_fx.eval.proxy import ProxySettings
+
+    cal, proxy = CalibrationSettings(), ProxySettings()
     p = subparsers.add_parser("calibrate", help="measure the per-layer sensitivity table S[layer, config]",
                               description="One prefill per calibration sequence, then every grid config "
                                           "per layer. Writes a safetensors table.")
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder")
-    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens per calibration sequence")
-    p.add_argument("--sequences", type=positive_int, default=1, help="calibration sequences (default 1)")
-    p.add_argument("--scorer", default="trig", choices=list(ALLOWED_SCORERS), help="eviction scorer")
-    p.add_argument("--seed", type=int, default=0, help="calibration text seed")
-    p.add_argument("--window", type=positive_int, default=64, help="observation window (last queries)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder")
+    p.add_argument("--tokens", type=positive_int, default=cal.tokens, help="tokens per calibration sequence")
+    p.add_argument("--sequences", type=positive_int, default=cal.num_sequences,
+                   help="calibration sequences (default %(default)s)")
+    p.add_argument("--scorer", default=str(cal.scorer), choices=names(ScorerName), help="eviction scorer")
+    p.add_argument("--seed", type=int, default=cal.seed, help="calibration text seed")
+    p.add_argument("--window", type=positive_int, default=cal.window, help="observation window (last queries)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default=None,
-                   help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors)")
+                   help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors, e.g. "
+                        f"{DEFAULT_TABLE_HINT})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)
 
@@ -167,23 +162,17 @@ def register(subparsers: Any) -> None:
                               description="Held-out sequences, random and solver plans; Pearson/Spearman and "
                                           "the per-layer spread vs the paper. Writes proxy.json and proxy.md.")
     v.add_argument("--table", required=True, help="table file (.safetensors)")
-    v.add_argument("--model", default="smollm2-135m")
-    v.add_argument("--sequences", type=positive_int, default=8)
-    v.add_argument("--tokens", type=positive_int, default=2048, help="context tokens per held-out sequence")
-    v.add_argument("--continuation", type=positive_int, default=64, help="teacher-forced tokens after the context")
-    v.add_argument("--plans", type=int, default=24, help="random plans (solver plans come on top)")
-    v.add_argument("--budgets", default=",".join(_default_budgets()), help="comma-separated solver budgets")
-    v.add_argument("--solver", default="greedy")
-    v.add_argument("--seed", type=int, default=1, help="held-out text seed")
-    v.add_argument("--window", type=positive_int, default=64)
+    v.add_argument("--model", default=DEFAULT_MODEL)
+    v.add_argument("--sequences", type=positive_int, default=proxy.sequences)
+    v.add_argument("--tokens", type=positive_int, default=proxy.tokens, help="context tokens per held-out sequence")
+    v.add_argument("--continuation", type=positive_int, default=proxy.continuation,
+                   help="teacher-forced tokens after the context")
+    v.add_argument("--plans", type=int, default=proxy.random_plans, help="random plans (solver plans come on top)")
+    v.add_argument("--budgets", default=",".join(proxy.budgets), help="comma-separated solver budgets")
+    v.add_argument("--solver", default=proxy.solver)
+    v.add_argument("--seed", type=int, default=proxy.seed, help="held-out text seed")
+    v.add_argument("--window", type=positive_int, default=proxy.window)
     v.add_argument("--threads", type=int, default=0)
     v.add_argument("--out", required=True, help="output folder")
     v.add_argument("--quiet", action="store_true")
     v.set_defaults(func=cmd_validate_proxy)
-
-
-def _default_budgets() -> tuple[str, ...]:
-    from moend_fx.eval.proxy import DEFAULT_BUDGETS
-
-    return DEFAULT_BUDGETS
-

@@ -13,19 +13,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
+from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path
+from moend_fx.cli.args import csv_list
+from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
-
-DEFAULT_TABLE_NAME = "{model}-trig-2048.safetensors"
 
 
 def _csv(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
+    return tuple(csv_list(text))
 
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(s) for s in _csv(text))
+        return tuple(int(s) for s in csv_list(text))
     except ValueError:
         raise MoendError(f"--lengths {text!r} must be comma-separated integers (e.g. 2048,4096)") from None
 
@@ -33,34 +35,37 @@ def _ints(text: str) -> tuple[int, ...]:
 _ints.__name__ = "comma-separated integers"  # argparse names the type in its error message
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Any) -> None:
+    from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.methods import DEFAULT_METHODS, METHODS
     from moend_fx.eval.tasks.registry import SETTINGS, TASKS
+
+    cfg = EvalConfig()  # the defaults are the library's own
 
     p = subparsers.add_parser(
         "eval", help="long-context accuracy of compression methods at matched measured memory",
         description="Prefill each example once at full precision, compress a copy per method and budget, "
                     "decode greedily, score by string match; write results.{json,md,png}.",
     )
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder (default %(default)s)")
-    p.add_argument("--table", default=None,
-                   help="sensitivity table (.safetensors); default $MOEND_CACHE/tables/" + DEFAULT_TABLE_NAME)
-    p.add_argument("--tasks", type=_csv, default=("passkey",), help=f"comma list of {', '.join(TASKS)}")
-    p.add_argument("--lengths", type=_ints, default=(2048,), help="prompt lengths in tokens (default 2048)")
-    p.add_argument("--n", type=int, default=30, help="examples per task and length (default %(default)s)")
-    p.add_argument("--budgets", type=_csv, default=("4x", "8x", "14x"),
-                   help="ratios of the 16-bit cache ('14x') or sizes ('3.3MB'); default 4x,8x,14x")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder (default %(default)s)")
+    p.add_argument("--table", default=None, help=f"sensitivity table (.safetensors); default {DEFAULT_TABLE_HINT}")
+    p.add_argument("--tasks", type=_csv, default=cfg.tasks, help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--lengths", type=_ints, default=cfg.lengths,
+                   help=f"prompt lengths in tokens (default {','.join(map(str, cfg.lengths))})")
+    p.add_argument("--n", type=int, default=cfg.n, help="examples per task and length (default %(default)s)")
+    p.add_argument("--budgets", type=_csv, default=cfg.budgets,
+                   help=f"ratios of the 16-bit cache ('14x') or sizes ('3.3MB'); default {','.join(cfg.budgets)}")
     p.add_argument("--methods", type=_csv, default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--settings", type=_csv, default=SETTINGS, help=f"comma list of {', '.join(SETTINGS)}")
     p.add_argument("--scorer", default=None,
                    help="override the plan's eviction scorer for every MoENDCache method (trig, snapkv, h2o, ...)")
     p.add_argument("--window-stats", action="store_true",
-                   help="trig: estimate query statistics from the last 32 queries instead of the table's")
+                   help=f"trig: estimate query statistics from the last {cfg.window} queries instead of the table's")
     p.add_argument("--continuation", type=int, default=0, metavar="N",
                    help="also measure teacher-forced continuation KL / loss on N held-out sequences per length")
     p.add_argument("--continuation-tokens", type=int, default=128, help="tokens fed after the context (default 128)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=cfg.seed)
+    p.add_argument("--max-new-tokens", type=int, default=cfg.max_new_tokens)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", required=True, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
     p.add_argument("--no-resume", action="store_true", help="ignore records.jsonl already in --out")
@@ -68,18 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def default_table_path(model: str) -> Path:
-    """Where `moend calibrate` saves the model's 2048-token table (one definition: moend_fx.bench.suite)."""
-    from moend_fx.bench.suite import default_table_path as cached_table
-
-    return cached_table(model, 2048)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from moend_fx.calibration.pipeline import stale_reason
-    from moend_fx.calibration.sensitivity import SensitivityTable
+    from moend_fx.calibration.tables import require_table
     from moend_fx.common.errors import TableError
     from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.report import write_report
@@ -90,12 +88,9 @@ def run(args: argparse.Namespace) -> int:
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
                      scorer=args.scorer, calibrated_stats=not args.window_stats)
     table_path = Path(args.table) if args.table else default_table_path(args.model)
-    if not table_path.is_file():
-        raise MoendError(f"sensitivity table {str(table_path)!r} not found; run `moend calibrate` first or pass "
-                         "--table PATH")
     if args.threads:
         torch.set_num_threads(args.threads)
-    table = SensitivityTable.load(table_path)
+    table = require_table(table_path)
     why = stale_reason(table)
     if why:
         if not args.table:  # the default table is ours to keep current

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moend_fx.calibration.tables import DEFAULT_TABLE_HINT
+from moend_fx.common.checks import check_int
+from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
 from moend_fx.common.errors import MoendError, PlanError
 
 
@@ -37,15 +40,13 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, str]:
     """(table, where it came from): --table, the cached 2048-token table, a cached quick one, or calibrate."""
-    from moend_fx.bench.suite import default_table_path
+    from moend_fx.calibration.pipeline import calibrate, stale_reason
     from moend_fx.calibration.sensitivity import SensitivityTable
-    from moend_fx.cli.solve import load_table
+    from moend_fx.calibration.tables import default_table_path, load_table
 
     if args.table is not None:
         return load_table(args.table), args.table
-    from moend_fx.calibration.pipeline import calibrate, stale_reason
-
-    for tokens in (2048, args.calib_tokens):
+    for tokens in (CALIBRATION_TOKENS, args.calib_tokens):
         path = default_table_path(args.model, tokens)
         if path.is_file():
             table = SensitivityTable.load(path)
@@ -56,7 +57,7 @@ def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[An
 
     path = default_table_path(args.model, args.calib_tokens)
     print(f"no sensitivity table for {args.model}: calibrating on {args.calib_tokens} tokens "
-          f"(saved to {path}; run `moend calibrate` for the full 2048-token table)", file=sys.stderr)
+          f"(saved to {path}; run `moend calibrate` for the full {CALIBRATION_TOKENS}-token table)", file=sys.stderr)
     table = calibrate(model, tokenizer, tokens=args.calib_tokens, progress=not args.quiet)
     table.save(path)
     return table, f"{path} (just calibrated)"
@@ -64,7 +65,7 @@ def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[An
 
 def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_length: int) -> tuple[Any, Any, str]:
     """(plan, table or None, a sentence saying where the plan came from)."""
-    from moend_fx.plan.routing import RoutingPlan
+    from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
     from moend_fx.solvers import get_solver
 
     if args.plan is not None:
@@ -74,29 +75,22 @@ def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_lengt
         plan.check_model(model)
         return plan, None, f"{args.plan} ({plan.solver}, solved for {plan.context_length} tokens)"
     table, source = find_table(args, model, tokenizer)
-    if table.fingerprint.mismatch(plan_fp(model), "table"):
-        raise PlanError(f"table {source} was made for another model: "
-                        f"{table.fingerprint.mismatch(plan_fp(model), 'table')}; calibrate one for this model")
+    why = table.fingerprint.mismatch(ModelFingerprint.from_model(model), "table")
+    if why:
+        raise PlanError(f"table {source} was made for another model: {why}; calibrate one for this model")
     res = get_solver("greedy").solve(table, args.budget, context_length=context_length)
     return res.plan, table, f"greedy for budget {args.budget} on {source}, solved for {context_length} tokens"
-
-
-def plan_fp(model: Any) -> Any:
-    from moend_fx.plan.routing import ModelFingerprint
-
-    return ModelFingerprint.from_model(model)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moend_fx.bench.decode import plan_summary
     from moend_fx.cache.generation import prepare
     from moend_fx.models import load_model
     from moend_fx.plan.memory import format_bytes, full_cache_bytes
+    from moend_fx.plan.summary import plan_summary
 
-    if args.max_new_tokens <= 0:
-        raise MoendError(f"--max-new-tokens={args.max_new_tokens} is invalid; allowed: a positive integer")
+    check_int("--max-new-tokens", args.max_new_tokens)
     prompt = read_prompt(args)
     # Files first: a typo should not cost a model load.
     if args.plan is not None and not Path(args.plan).is_file():
@@ -149,15 +143,14 @@ def register(subparsers: Any) -> None:
         description="Load the model, get a plan (--plan, or --budget solved on a table), prepare the model, "
                     "optionally model.compile(backend='moend'), generate greedily; print the answer, the "
                     "cache memory vs the full cache, and the time.")
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name or HF folder (default %(default)s)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder (default %(default)s)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", default=None, help="routing plan JSON (from `moend solve --out`)")
     src.add_argument("--budget", default="14x",
                      help="budget solved with greedy: a ratio of the 16-bit cache ('14x') or a size ('3MB'); "
                           "default %(default)s")
     p.add_argument("--table", default=None,
-                   help="sensitivity table for --budget (default: $MOEND_CACHE/tables/<model>-trig-2048."
-                        "safetensors, else a quick calibration)")
+                   help=f"sensitivity table for --budget (default: {DEFAULT_TABLE_HINT}, else a quick calibration)")
     p.add_argument("--calib-tokens", type=int, default=1024,
                    help="tokens of the quick calibration when no table exists (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="model.compile(backend='moend') before generating")

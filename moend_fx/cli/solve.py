@@ -1,7 +1,7 @@
 """``moend solve`` and ``moend compare-solvers``.
 
 ``--table`` is a table file (loaded with ``SensitivityTable.load``) or ``synthetic:LAYERS[:SEED]`` for a
-paper-shaped synthetic table (demos and tests; see ``moend_fx.solvers.synthetic``).
+paper-shaped synthetic table (demos and tests); both are read by :func:`moend_fx.calibration.tables.load_table`.
 """
 
 from __future__ import annotations
@@ -9,44 +9,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.common.errors import MoendError, TableError
+from moend_fx.calibration.tables import load_table, table_context_length
+from moend_fx.cli.args import csv_list, int_list, names
+from moend_fx.common.checks import check_int
+from moend_fx.common.defaults import CALIBRATION_TOKENS
+from moend_fx.common.errors import MoendError
 from moend_fx.plan.memory import format_bytes
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import SolveResult, full_cache_figures
-
-DEFAULT_CONTEXT = 2048
-
-
-def load_table(spec: str) -> SensitivityTable:
-    """A table from a file, or ``synthetic:LAYERS[:SEED]``."""
-    if spec.startswith("synthetic:"):
-        from moend_fx.solvers.synthetic import synthetic_table
-
-        parts = spec.split(":")[1:]
-        try:
-            layers = int(parts[0])
-            seed = int(parts[1]) if len(parts) > 1 else 0
-            if layers <= 0 or len(parts) > 2:
-                raise ValueError
-        except (ValueError, IndexError):
-            raise TableError(f"table {spec!r} is invalid; allowed: a file or 'synthetic:LAYERS[:SEED]' "
-                             "(e.g. 'synthetic:30:0')") from None
-        return synthetic_table(layers, seed=seed)
-    if not Path(spec).exists():
-        raise TableError(f"table file {spec!r} does not exist; give a file or 'synthetic:LAYERS[:SEED]'")
-    return SensitivityTable.load(spec)
+from moend_fx.solvers.optuna_search import Sampler
 
 
 def _context(args: argparse.Namespace, table: SensitivityTable) -> int:
     if args.context_length is not None:
-        if args.context_length <= 0:
-            raise MoendError(f"--context-length={args.context_length} is invalid; allowed: a positive integer")
-        return args.context_length
-    return int(table.calibration.get("context_length", DEFAULT_CONTEXT))
+        check_int("--context-length", args.context_length)
+    return table_context_length(table, args.context_length)
 
 
 def _optuna_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,25 +76,15 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(s: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise MoendError(f"{what}={s!r} is invalid; allowed: comma-separated positive integers") from None
-    if any(v <= 0 for v in vals):
-        raise MoendError(f"{what}={s!r} is invalid; allowed: comma-separated positive integers")
-    return vals
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from moend_fx.solvers.compare import compare_solvers, markdown_table, write_comparison
 
     table = load_table(args.table)
     ctx = _context(args, table)
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    budgets = csv_list(args.budgets)
     if not budgets:
         raise MoendError(f"--budgets={args.budgets!r} is empty; give e.g. '4x,8x,14x'")
-    trials = _int_list(args.trials, "--trials") if args.trials else []
+    trials = list(int_list(args.trials, "--trials", example="200,2000")) if args.trials else []
     result = compare_solvers(table, budgets, context_length=ctx, trials=trials,
                              optuna_options=_optuna_options(args),
                              log=lambda s: print(s, file=sys.stderr))
@@ -127,11 +97,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", required=True, help="sensitivity table file, or synthetic:LAYERS[:SEED]")
     p.add_argument("--context-length", type=int, default=None,
-                   help=f"tokens the plan is solved for (default: the table's, else {DEFAULT_CONTEXT})")
+                   help=f"tokens the plan is solved for (default: the table's, else {CALIBRATION_TOKENS})")
     p.add_argument("--storage", default=None,
                    help="optuna storage: RDB URL (sqlite:///s.db, postgresql://...), journal file path, :memory:")
     p.add_argument("--study-name", default=None, help="optuna study name (share it to search one study)")
-    p.add_argument("--sampler", default="tpe", choices=["tpe", "cmaes", "nsga2", "random"])
+    p.add_argument("--sampler", default=str(Sampler.TPE), choices=names(Sampler))
     p.add_argument("--seed", type=int, default=0, help="optuna sampler seed (give each worker its own)")
     p.add_argument("--n-jobs", type=int, default=1, help="optuna threads in this process")
     p.add_argument("--timeout", type=float, default=None, help="optuna time limit in seconds")

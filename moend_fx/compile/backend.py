@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from moend_fx.common.options import InnerCompiler
 from moend_fx.compile.settings import BackendSettings
 
 BACKEND_NAME = "moend"
@@ -32,9 +33,9 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], settings: B
     """Compile the rewritten graph with ``settings.inner``."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    if settings.inner == "eager":
+    if settings.inner == InnerCompiler.EAGER:
         return gm.forward
-    if settings.inner == "aot_eager":
+    if settings.inner == InnerCompiler.AOT_EAGER:
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     from torch._inductor.compile_fx import compile_fx
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moend_fx.common.checks import check_choice
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import InnerCompiler, Kernel
 from moend_fx.plan.routing import RoutingPlan
-
-INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
-KERNELS: tuple[str, ...] = ("auto", "triton", "cpu", "reference")
 
 
 def resolve_plan(obj: Any) -> RoutingPlan | None:
@@ -61,8 +60,8 @@ class BackendSettings:
     """
 
     plan: RoutingPlan | None = None
-    inner: str = "inductor"
-    kernel: str = "auto"
+    inner: InnerCompiler = InnerCompiler.INDUCTOR
+    kernel: Kernel = Kernel.AUTO
     debug_dir: str | None = None
     require_all_layers: bool = True
     fuse: bool = True
@@ -70,10 +69,9 @@ class BackendSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", resolve_plan(self.plan))
-        if self.inner not in INNER_COMPILERS:
-            raise MoendError(f"inner={self.inner!r} is not a known inner compiler; allowed: {list(INNER_COMPILERS)}")
-        if self.kernel not in KERNELS:
-            raise MoendError(f"kernel={self.kernel!r} is unknown; allowed: {list(KERNELS)}")
+        # Plain strings are accepted and stored as the enum member (which still compares equal to the string).
+        object.__setattr__(self, "inner", check_choice("inner", self.inner, InnerCompiler, error=MoendError))
+        object.__setattr__(self, "kernel", check_choice("kernel", self.kernel, Kernel, error=MoendError))
         if self.debug_dir is not None:
             if not isinstance(self.debug_dir, (str, os.PathLike)):
                 raise MoendError(f"debug_dir={self.debug_dir!r} is invalid; allowed: a directory path or None")

@@ -5,19 +5,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moend_fx.common.checks import check_choice, check_int
+from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
-from moend_fx.eval.methods import (
-    METHODS,
-)
-from moend_fx.eval.tasks.registry import SETTINGS, TASKS
-from moend_fx.eviction.scoring import SCORERS
+from moend_fx.common.options import Setting
+from moend_fx.eval.methods import METHODS
+from moend_fx.eval.tasks.registry import TASKS
+from moend_fx.eviction.scorers import SCORERS
 
-# --------------------------------------------------------------------------------------------- config
+MIN_LENGTH = 16  # tokens: the shortest prompt length an evaluation accepts
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What to run. budgets: ratios of the 16-bit cache ("14x") or sizes ("3.3MB"); settings: SETTINGS.
+    """What to run. budgets: ratios of the 16-bit cache ("14x") or sizes ("3.3MB"); settings: members of
+    :class:`~moend_fx.common.options.Setting` (names are accepted and held as members).
 
     max_new_tokens: decode cap per answer (raised to ``tokens_per_answer`` x answers for multi-answer tasks).
     window: post-RoPE queries recorded per layer for scorers without calibrated stats.
@@ -28,12 +30,12 @@ class EvalConfig:
     n: int = 30
     budgets: tuple[str, ...] = ("4x", "8x", "14x")
     methods: tuple[str, ...] = ("full", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero", "2d_hetero_exact")
-    settings: tuple[str, ...] = SETTINGS
+    settings: tuple[Setting, ...] = tuple(Setting)
     seed: int = 0
     max_new_tokens: int = 24
     tokens_per_answer: int = 8
-    window: int = 32
-    evict_every: int = 128
+    window: int = QUERY_WINDOW
+    evict_every: int = EVICT_EVERY
     scorer: str | None = None  # override the plan's eviction scorer (e.g. "snapkv") for every MoENDCache method
     calibrated_stats: bool = True  # trig: the table's query statistics (False: estimate from the query window)
 
@@ -45,24 +47,19 @@ class EvalConfig:
         bad = [t for t in self.tasks if t not in TASKS]
         if bad:
             raise MoendError(f"task {bad[0]!r} is unknown; allowed: {', '.join(TASKS)}")
-        bad = [s for s in self.settings if s not in SETTINGS]
-        if bad:
-            raise MoendError(f"setting {bad[0]!r} is unknown; allowed: {', '.join(SETTINGS)}")
+        object.__setattr__(self, "settings", tuple(check_choice("setting", s, Setting) for s in self.settings))
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
-        for name in ("n", "max_new_tokens", "window", "evict_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: an integer >= 1")
+        for name in ("n", "max_new_tokens", "tokens_per_answer", "window", "evict_every"):
+            check_int(name, getattr(self, name))
         if self.scorer is not None and self.scorer not in SCORERS:
             raise MoendError(f"scorer {self.scorer!r} is unknown; allowed: {', '.join(sorted(SCORERS))}")
         for length in self.lengths:
-            if isinstance(length, bool) or not isinstance(length, int) or length < 16:
-                raise MoendError(f"length {length!r} is invalid; allowed: an integer >= 16 (tokens)")
+            check_int("length", length, minimum=MIN_LENGTH)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "settings": tuple(str(s) for s in self.settings)}
 
 
 @dataclass

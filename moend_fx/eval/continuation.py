@@ -8,26 +8,28 @@ from typing import Any
 import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.defaults import QUERY_WINDOW
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import (
     METHODS,
+    MethodSpec,
     PlanBook,
+    PrefillState,
     build_cache,
     cache_nbytes,
     check_methods,
+    method_runs,
+    moend_options,
 )
-from moend_fx.eval.steps import _device, eval_attention_on, prefill
-from moend_fx.eviction.rope import rope_from_model
+from moend_fx.eval.steps import eval_attention_on, model_device, prefill
 from moend_fx.plan.memory import full_cache_bytes
-from moend_fx.plan.routing import ModelFingerprint
-
-# --------------------------------------------------------------------------------------------- continuation
+from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
 
 
 @torch.inference_mode()
 def continuation_eval(model: Any, table: SensitivityTable, token_ids: torch.Tensor, context_length: int, *,
-                      methods: Sequence[str], budgets: Sequence[str], window: int = 32,
+                      methods: Sequence[str], budgets: Sequence[str], window: int = QUERY_WINDOW,
                       progress: bool = True) -> list[dict[str, Any]]:
     """Teacher-forced continuation quality of each method on real text.
 
@@ -44,53 +46,58 @@ def continuation_eval(model: Any, table: SensitivityTable, token_ids: torch.Tens
         raise MoendError(f"token_ids {tuple(ids.shape)} must be [N, T] with T >= context_length + 2 = "
                          f"{context_length + 2}")
     runnable, _ = check_methods(methods)
-    runner_cfg = EvalConfig(methods=tuple(runnable), budgets=tuple(budgets), window=window)
-    fp = ModelFingerprint.from_model(model)
-    plans = PlanBook(table)
-    try:
-        rope = rope_from_model(model)
-    except MoendError:
-        rope = None
-    stats = [table.layer_stats(i) for i in range(table.num_layers)] if table.has_stats() else None
-    moend_kw = dict(rope=rope, query_stats=stats, window=window)
-    dev = _device(model)
+    run = _ContinuationRun(model, table, EvalConfig(methods=tuple(runnable), budgets=tuple(budgets), window=window))
     out: list[dict[str, Any]] = []
     for i in tqdm(range(ids.shape[0]), desc="continuation", unit="seq", disable=not progress):
-        ctx, cont = ids[i, :context_length].tolist(), ids[i, context_length:]
-        state = prefill(model, ctx, window=window)
-        T = state.length
-        target = cont[1:].to(dev)
-
-        def run(spec, plan=None, state=state, cont=cont):
-            cache = build_cache(spec, state, model=model, plan=plan, **moend_kw)
-            measured = cache_nbytes(cache)
-            with eval_attention_on(model):
-                logits = model(input_ids=cont[None].to(dev), cache=cache, use_cache=True).logits[0].float()
-            return torch.log_softmax(logits, -1), measured
-
-        ref_lp, ref_bytes = run(METHODS["full"])
-        loss_full = float(torch.nn.functional.nll_loss(ref_lp[:-1], target))
-        for name in runner_cfg.methods:
-            spec = METHODS[name]
-            for budget in (runner_cfg.budgets if spec.budgeted else (None,)):
-                rec: dict[str, Any] = dict(sequence=i, context_length=context_length, context_tokens=T,
-                                           continuation_tokens=int(cont.numel()),
-                                           method=name, budget=budget, loss_full=loss_full,
-                                           full16_bytes=full_cache_bytes(fp, T, dtype="16bit"),
-                                           full_model_bytes=full_cache_bytes(fp, T, dtype=None))
-                plan = None
-                if spec.kind == "moend":
-                    entry = plans.get(name, budget, T)
-                    if entry.plan is None:
-                        out.append(dict(rec, infeasible=entry.infeasible, kl=None, loss=None, measured_bytes=None))
-                        continue
-                    plan = entry.plan
-                if name == "full":
-                    lp, measured = ref_lp, ref_bytes
-                else:
-                    lp, measured = run(spec, plan)
-                kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).mean())
-                loss = float(torch.nn.functional.nll_loss(lp[:-1], target))
-                out.append(dict(rec, kl=kl, loss=loss, measured_bytes=measured, ratio16=rec["full16_bytes"] / measured,
-                                ratio_model=rec["full_model_bytes"] / measured))
+        out += run.sequence(i, ids[i], context_length)
     return out
+
+
+class _ContinuationRun:
+    """Every method x budget of one :func:`continuation_eval` call, one held-out sequence at a time."""
+
+    def __init__(self, model: Any, table: SensitivityTable, cfg: EvalConfig) -> None:
+        self.model, self.cfg = model, cfg
+        self.fp = ModelFingerprint.from_model(model)
+        self.plans = PlanBook(table)
+        self.moend_kw = moend_options(model, table, window=cfg.window)
+        self.dev = model_device(model)
+
+    def _log_probs(self, spec: MethodSpec, state: PrefillState, cont: torch.Tensor,
+                   plan: RoutingPlan | None = None) -> tuple[torch.Tensor, int]:
+        """(log p [C, V] float32 of the continuation ``cont`` [C] fed through the method's cache, its bytes)."""
+        cache = build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
+        measured = cache_nbytes(cache)
+        with eval_attention_on(self.model):
+            logits = self.model(input_ids=cont[None].to(self.dev), cache=cache, use_cache=True).logits[0].float()
+        return torch.log_softmax(logits, -1), measured
+
+    def sequence(self, i: int, row: torch.Tensor, context_length: int) -> list[dict[str, Any]]:
+        """The records of sequence ``i`` (``row`` [T] token ids; its first ``context_length`` are the context)."""
+        ctx, cont = row[:context_length].tolist(), row[context_length:]
+        state = prefill(self.model, ctx, window=self.cfg.window)
+        T = state.length
+        target = cont[1:].to(self.dev)
+        ref_lp, ref_bytes = self._log_probs(METHODS["full"], state, cont)
+        loss_full = float(torch.nn.functional.nll_loss(ref_lp[:-1], target))
+        out: list[dict[str, Any]] = []
+        for spec, budget in method_runs(self.cfg.methods, self.cfg.budgets):
+            rec: dict[str, Any] = dict(sequence=i, context_length=context_length, context_tokens=T,
+                                       continuation_tokens=int(cont.numel()),
+                                       method=spec.name, budget=budget, loss_full=loss_full,
+                                       full16_bytes=full_cache_bytes(self.fp, T, dtype="16bit"),
+                                       full_model_bytes=full_cache_bytes(self.fp, T, dtype=None))
+            plan = None
+            if spec.kind == "moend":
+                entry = self.plans.get(spec.name, budget, T)
+                if entry.plan is None:
+                    out.append(dict(rec, infeasible=entry.infeasible, kl=None, loss=None, measured_bytes=None))
+                    continue
+                plan = entry.plan
+            full = spec.name == "full"
+            lp, measured = (ref_lp, ref_bytes) if full else self._log_probs(spec, state, cont, plan)
+            kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).mean())
+            loss = float(torch.nn.functional.nll_loss(lp[:-1], target))
+            out.append(dict(rec, kl=kl, loss=loss, measured_bytes=measured,
+                            ratio16=rec["full16_bytes"] / measured, ratio_model=rec["full_model_bytes"] / measured))
+        return out

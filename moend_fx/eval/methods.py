@@ -19,7 +19,7 @@ into new tensors, so handing the same tensors to several caches is a copy-free "
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,10 @@ import torch
 
 from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.errors import BudgetError, MoendError
+from moend_fx.common.options import ScorerName
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.memory import parse_budget
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
 from moend_fx.solvers import get_solver
@@ -73,6 +76,15 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
 
 DEFAULT_METHODS = ("full", "hf_quant4", "hf_fp8", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero",
                    "2d_hetero_exact")
+
+
+def method_runs(names: Sequence[str], budgets: Sequence[str]) -> Iterator[tuple[MethodSpec, str | None]]:
+    """(spec, budget) of every run of methods ``names``: a budgeted method once per budget, the others once
+    (budget None)."""
+    for name in names:
+        spec = METHODS[name]
+        for budget in (budgets if spec.budgeted else (None,)):
+            yield spec, budget
 
 
 def hf_backend_available(backend: str) -> bool:
@@ -161,8 +173,22 @@ def cache_nbytes(cache: Any) -> int:
 def lossless_plan(table: SensitivityTable, context_length: int) -> RoutingPlan:
     """keep 1.0, 16/16 bits on every layer (MoENDCache must then match the full cache)."""
     return RoutingPlan.uniform(LayerConfig(1.0, 16, 16), table.fingerprint, context_length, grid=table.grid,
-                               group_size=table.group_size, scorer=str(table.calibration.get("scorer", "trig")),
+                               group_size=table.group_size,
+                               scorer=str(table.calibration.get("scorer", ScorerName.TRIG)),
                                solver="lossless")
+
+
+def moend_options(model: Any, table: SensitivityTable, *, window: int, calibrated_stats: bool = True,
+                  **extra: Any) -> dict[str, Any]:
+    """MoENDCache options for every MoENDCache method of a run: the model's RoPE (None when it has no readable
+    rotary embedding), the table's calibrated query statistics (unless ``calibrated_stats`` is False: then
+    scorers estimate them from the ``window`` last queries) and ``extra`` (``evict_every``, ``scorer``...)."""
+    try:
+        rope = rope_from_model(model)
+    except MoendError:
+        rope = None
+    stats = layer_query_stats(table) if calibrated_stats else None
+    return dict(rope=rope, query_stats=stats, window=window, **extra)
 
 
 def moend_from_prefill(plan: RoutingPlan, state: PrefillState, **cache_kw: Any) -> MoENDCache:

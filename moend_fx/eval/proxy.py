@@ -25,12 +25,8 @@ Reported: Pearson and Spearman correlation (all plans; solver plans alone) and t
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,11 +35,15 @@ import torch
 from moend_fx.attention.reference import attention_dense
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture, attention_override
 from moend_fx.calibration.data import token_sequences
-from moend_fx.calibration.pipeline import _body, _kept, build_scorer
+from moend_fx.calibration.pipeline import kept_tokens, model_body
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.common.errors import BudgetError, MoendError
-from moend_fx.common.io import atomic_write_text
+from moend_fx.common.checks import check_int
+from moend_fx.common.defaults import CALIBRATION_TOKENS, RECENT_TOKENS, SINK_TOKENS
+from moend_fx.common.errors import BudgetError
+from moend_fx.common.options import ScorerName
+from moend_fx.eval.proxy_report import markdown_report, write_report
 from moend_fx.eviction.rope import rope_from_model
+from moend_fx.eviction.scorers import build_scorer
 from moend_fx.plan.memory import full_cache_bytes, plan_bytes
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
 from moend_fx.storage.packed import PackedKV
@@ -58,6 +58,10 @@ PAPER_SPREAD: tuple[tuple[str, LayerConfig, float], ...] = (
     ("V4 (keep 1.0, K16/V4)", LayerConfig(1.0, 16, 4), 1.2),
 )
 PAPER_CORRELATION = {"pearson": 0.945, "spearman": 0.937}
+# markdown_report and write_report (moend_fx.eval.proxy_report) are part of this module's API.
+__all__ = ["DEFAULT_BUDGETS", "PAPER_CORRELATION", "PAPER_SPREAD", "HeldOutSequence", "PlanResult", "ProxySettings",
+           "compressed_kv", "continuation_logits", "correlations", "markdown_report", "random_plans",
+           "solver_plans", "spread_rows", "validate_proxy", "write_report"]
 DEFAULT_BUDGETS: tuple[str, ...] = ("1.5x", "2x", "3x", "4x", "6x", "8x", "12x", "16x")
 
 
@@ -66,7 +70,7 @@ class ProxySettings:
     """Held-out set and plan mix of one validation run."""
 
     sequences: int = 8
-    tokens: int = 2048
+    tokens: int = CALIBRATION_TOKENS
     continuation: int = 64
     seed: int = 1
     random_plans: int = 24
@@ -77,13 +81,9 @@ class ProxySettings:
 
     def __post_init__(self) -> None:
         for name in ("sequences", "tokens", "continuation", "window"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: a positive integer")
+            check_int(name, getattr(self, name))
         for name in ("seed", "random_plans", "plan_seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise MoendError(f"{name}={v!r} is invalid; allowed: an integer >= 0")
+            check_int(name, getattr(self, name), minimum=0)
         object.__setattr__(self, "budgets", tuple(self.budgets))
 
 
@@ -148,7 +148,7 @@ def solver_plans(table: SensitivityTable, budgets: tuple[str, ...], solver: str,
 def compressed_kv(cap: LayerCapture, config: LayerConfig, scores: torch.Tensor | None, *, group_size: int,
                   sink_tokens: int, recent_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The context K, V [B, Hkv, n, D] a layer with ``config`` holds after the prefill, dequantized."""
-    k, v, pos = _kept(cap, scores, config.keep_ratio, sink_tokens, recent_tokens)
+    k, v, pos = kept_tokens(cap, scores, config.keep_ratio, sink_tokens, recent_tokens)
     if not config.quantized:
         return k, v
     return PackedKV.from_dense(k, v, config, group_size, pos).dequantize(k.dtype)
@@ -181,20 +181,20 @@ class HeldOutSequence:
         self.context = context
         cal = table.calibration
         self.group_size = table.group_size
-        self.sink = int(cal.get("sink_tokens", 4))
-        self.recent = int(cal.get("recent_tokens", 32))
-        scorer_name = str(cal.get("scorer", "trig"))
+        self.sink = int(cal.get("sink_tokens", SINK_TOKENS))
+        self.recent = int(cal.get("recent_tokens", RECENT_TOKENS))
+        scorer_name = str(cal.get("scorer", ScorerName.TRIG))
         device = next(model.parameters()).device
         self.cont = ids[None, context:].to(device)
         cap = AttentionCapture(model, window=window)
         with torch.no_grad(), cap:
-            _body(model)(input_ids=ids[None, :context].to(device), use_cache=False)
+            model_body(model)(input_ids=ids[None, :context].to(device), use_cache=False)
         self.layers = [cap.pop(l) for l in range(table.num_layers)]
-        rope = rope_from_model(model) if scorer_name == "trig" else None
+        rope = rope_from_model(model) if scorer_name == ScorerName.TRIG else None
         self.scores: list[torch.Tensor] = []
         with torch.no_grad():
             for l, c in enumerate(self.layers):
-                stats = table.layer_stats(l) if (scorer_name == "trig" and table.has_stats()) else None
+                stats = table.layer_stats(l) if (scorer_name == ScorerName.TRIG and table.has_stats()) else None
                 scorer = build_scorer(scorer_name, rope, stats, window)
                 b, hkv, t, _ = c.keys.shape
                 kp = c.key_positions[:, None, :].expand(b, hkv, t)
@@ -292,62 +292,3 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
         "plans": [{**asdict(r), "measured_kl": r.measured} for r in results],
         "wall_time_s": time.perf_counter() - t0,
     }
-
-
-# ----------------------------------------------------------------------------------------------- report
-
-
-def _fmt(x: float, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return f"{x:.{digits}f}"
-
-
-def markdown_report(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    c = result["correlation"]
-    lines = [
-        "# Proxy validation: predicted loss (sum of S) vs end-to-end KL",
-        "",
-        f"Held-out: {s['sequences']} sequences x {s['tokens']} context tokens + {s['continuation']} "
-        f"teacher-forced continuation tokens (split `heldout`, seed {s['seed']}); "
-        f"{s['random_plans']} random plans + `{s['solver']}` plans at budgets {', '.join(s['budgets'])} "
-        "(ratios vs a 16-bit cache).",
-        "",
-        "| plans | n | Pearson | Spearman |",
-        "| --- | --- | --- | --- |",
-    ]
-    for k in ("all", "solver", "random"):
-        lines.append(f"| {k} | {c[k]['n']} | {_fmt(c[k]['pearson'])} | {_fmt(c[k]['spearman'])} |")
-    lines.append(f"| paper (DeepSeek-R1-Distill-Qwen-7B) | - | {c['paper']['pearson']} | "
-                 f"{c['paper']['spearman']} |")
-    lines += ["", "## Per-layer spread (max / min over layers of S)", "",
-              "| column | ours | paper | min S (layer) | max S (layer) |", "| --- | --- | --- | --- | --- |"]
-    for r in result["spread"]:
-        lines.append(f"| {r['name']} | {_fmt(r['ours'], 1)}x | {r['paper']}x | {_fmt(r['min'], 4)} "
-                     f"({r['argmin_layer']}) | {_fmt(r['max'], 4)} ({r['argmax_layer']}) |")
-    lines += ["", "## Plans", "", "| plan | kind | x vs 16-bit | predicted | measured KL |",
-              "| --- | --- | --- | --- | --- |"]
-    for p in sorted(result["plans"], key=lambda p: p["predicted"]):
-        lines.append(f"| {p['name']} | {p['kind']} | {p['ratio_vs_16bit']:.2f} | {p['predicted']:.4f} | "
-                     f"{p['measured_kl']:.5f} |")
-    lines += ["", f"Wall time: {result['wall_time_s']:.0f} s.", ""]
-    return "\n".join(lines)
-
-
-def write_report(result: dict[str, Any], out_dir: str | os.PathLike) -> tuple[Path, Path]:
-    """``proxy.json`` and ``proxy.md`` in ``out_dir`` (atomic writes)."""
-    out = Path(out_dir)
-    j = atomic_write_text(out / "proxy.json", json.dumps(result, indent=2, default=_json_default) + "\n")
-    m = atomic_write_text(out / "proxy.md", markdown_report(result))
-    return j, m
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")

@@ -31,16 +31,18 @@ from typing import Any
 import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
+from moend_fx.common.options import ScorerName, Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
 from moend_fx.eval.methods import (
-    METHODS,
+    MethodSpec,
     PlanBook,
     PrefillState,
     build_cache,
     cache_nbytes,
     check_methods,
+    method_runs,
+    moend_options,
 )
 from moend_fx.eval.steps import (
     EVAL_ATTN,
@@ -51,9 +53,11 @@ from moend_fx.eval.steps import (
     stop_reason,
 )
 from moend_fx.eval.tasks.registry import Example, make_examples, score
-from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.memory import full_cache_bytes, parse_budget
-from moend_fx.plan.routing import ModelFingerprint
+from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
+
+# A record of a method whose plan equals an earlier method's (same example) copies that decode's figures.
+_SHARED = ("measured_bytes", "ratio16", "ratio_model", "generated", "new_tokens", "stop", "score", "decode_s")
 
 # --------------------------------------------------------------------------------------------- runner
 
@@ -69,15 +73,9 @@ class Runner:
         self.fp = ModelFingerprint.from_model(model)
         self.plans = PlanBook(table)
         self.progress = progress
-        try:
-            rope = rope_from_model(model)
-        except MoendError:
-            rope = None
-        use_stats = table.has_stats() and config.calibrated_stats
-        stats = [table.layer_stats(i) for i in range(table.num_layers)] if use_stats else None
-        self.moend_kw = dict(rope=rope, query_stats=stats, window=config.window, evict_every=config.evict_every)
-        if config.scorer is not None:
-            self.moend_kw["scorer"] = config.scorer
+        scorer = {} if config.scorer is None else {"scorer": config.scorer}
+        self.moend_kw = moend_options(model, table, window=config.window, calibrated_stats=config.calibrated_stats,
+                                      evict_every=config.evict_every, **scorer)
         self.eos = getattr(tokenizer, "eos_token_id", None)
         for b in config.budgets:
             parse_budget(b, self.fp, max(config.lengths))  # fail now on a bad budget string
@@ -85,74 +83,73 @@ class Runner:
     # -- one example ------------------------------------------------------------------------------
     def run_example(self, ex: Example) -> list[dict[str, Any]]:
         tok = self.tokenizer
-        head = ex.prefill_text("query_agnostic")
+        head = ex.prefill_text(Setting.QUERY_AGNOSTIC)
         head_ids = encode(tok, head, special=True)
-        query_ids = encode(tok, ex.prefill_text("query_aware")[len(head):])
-        prefix_ids = encode(tok, ex.suffix_text("query_aware"))
+        query_ids = encode(tok, ex.prefill_text(Setting.QUERY_AWARE)[len(head):])
+        prefix_ids = encode(tok, ex.suffix_text(Setting.QUERY_AWARE))
         t0 = time.perf_counter()
         ctx = prefill(self.model, head_ids, window=self.cfg.window)
         prefill_s = time.perf_counter() - t0
         out = []
-        if "query_agnostic" in self.cfg.settings:
-            out += self._methods(ex, "query_agnostic", ctx, query_ids + prefix_ids, prefill_s)
-        if "query_aware" in self.cfg.settings:
+        if Setting.QUERY_AGNOSTIC in self.cfg.settings:
+            out += self._methods(ex, Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s)
+        if Setting.QUERY_AWARE in self.cfg.settings:
             t0 = time.perf_counter()
             full = prefill(self.model, query_ids, window=self.cfg.window, base=ctx)
-            out += self._methods(ex, "query_aware", full, prefix_ids, prefill_s + time.perf_counter() - t0)
+            out += self._methods(ex, Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0)
         return out
 
     def _max_new(self, ex: Example) -> int:
         return max(self.cfg.max_new_tokens, self.cfg.tokens_per_answer * len(ex.answers))
 
-    def _methods(self, ex: Example, setting: str, state: PrefillState, suffix: list[int],
+    def _methods(self, ex: Example, setting: Setting, state: PrefillState, suffix: list[int],
                  prefill_s: float) -> list[dict[str, Any]]:
         T = state.length
         base = dict(task=ex.task, target_length=ex.meta.get("target_length"), index=ex.meta.get("index"),
-                    setting=setting, context_tokens=T, suffix_tokens=len(suffix), answers=list(ex.answers),
+                    setting=str(setting), context_tokens=T, suffix_tokens=len(suffix), answers=list(ex.answers),
                     full16_bytes=full_cache_bytes(self.fp, T, dtype="16bit"),
                     full_model_bytes=full_cache_bytes(self.fp, T, dtype=None), prefill_s=round(prefill_s, 3))
         done: dict[Any, dict[str, Any]] = {}  # plan layers -> record, to share identical plans' decodes
         recs = []
-        for name in self.methods:
-            spec = METHODS[name]
-            for budget in (self.cfg.budgets if spec.budgeted else (None,)):
-                rec = dict(base, method=name, budget=budget)
-                plan = None
-                if spec.kind == "moend":
-                    entry = self.plans.get(name, budget, T)
-                    rec.update(budget_bytes=entry.budget_bytes, predicted_loss=entry.predicted_loss)
-                    if entry.plan is None:
-                        rec.update(infeasible=entry.infeasible, score=None, measured_bytes=None)
-                        recs.append(rec)
-                        continue
-                    plan = entry.plan
-                    key = plan.layers
-                    if key in done:
-                        prev = done[key]
-                        rec.update({k: prev[k] for k in ("measured_bytes", "ratio16", "ratio_model", "generated",
-                                                          "new_tokens", "stop", "score", "decode_s")},
-                                   shared_with=f"{prev['method']}@{prev['budget']}")
-                        recs.append(rec)
-                        continue
-                elif budget is None and spec.kind != "moend":
-                    rec["budget_bytes"] = None
-                t0 = time.perf_counter()
-                cache = build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
-                measured = cache_nbytes(cache)
-                build_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                new, why = greedy_decode(self.model, cache, suffix, self._max_new(ex), tokenizer=self.tokenizer,
-                                         stop=lambda s, ex=ex: stop_reason(ex, s), eos_token_id=self.eos)
-                text = decode(self.tokenizer, new)
-                rec.update(measured_bytes=measured, ratio16=base["full16_bytes"] / measured,
-                           ratio_model=base["full_model_bytes"] / measured, generated=text, new_tokens=len(new),
-                           stop=why, score=score(ex, text), build_s=round(build_s, 3),
-                           decode_s=round(time.perf_counter() - t0, 3))
-                del cache
-                if plan is not None:
-                    done[plan.layers] = rec
-                recs.append(rec)
+        for spec, budget in method_runs(self.methods, self.cfg.budgets):
+            rec = dict(base, method=spec.name, budget=budget)
+            plan = None
+            if spec.kind == "moend":
+                entry = self.plans.get(spec.name, budget, T)
+                rec.update(budget_bytes=entry.budget_bytes, predicted_loss=entry.predicted_loss)
+                if entry.plan is None:
+                    rec.update(infeasible=entry.infeasible, score=None, measured_bytes=None)
+                    recs.append(rec)
+                    continue
+                plan = entry.plan
+                if plan.layers in done:
+                    prev = done[plan.layers]
+                    rec.update({k: prev[k] for k in _SHARED}, shared_with=f"{prev['method']}@{prev['budget']}")
+                    recs.append(rec)
+                    continue
+            elif budget is None:
+                rec["budget_bytes"] = None
+            rec.update(self._decode(ex, spec, state, suffix, plan, base))
+            if plan is not None:
+                done[plan.layers] = rec
+            recs.append(rec)
         return recs
+
+    def _decode(self, ex: Example, spec: MethodSpec, state: PrefillState, suffix: list[int],
+                plan: RoutingPlan | None, base: dict[str, Any]) -> dict[str, Any]:
+        """One method's cache from ``state``, then ``suffix`` and the greedy answer: the record's figures."""
+        t0 = time.perf_counter()
+        cache = build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
+        measured = cache_nbytes(cache)
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        new, why = greedy_decode(self.model, cache, suffix, self._max_new(ex), tokenizer=self.tokenizer,
+                                 stop=lambda s, ex=ex: stop_reason(ex, s), eos_token_id=self.eos)
+        text = decode(self.tokenizer, new)
+        return dict(measured_bytes=measured, ratio16=base["full16_bytes"] / measured,
+                    ratio_model=base["full_model_bytes"] / measured, generated=text, new_tokens=len(new),
+                    stop=why, score=score(ex, text), build_s=round(build_s, 3),
+                    decode_s=round(time.perf_counter() - t0, 3))
 
     # -- everything -------------------------------------------------------------------------------
     def examples(self) -> list[Example]:
@@ -212,7 +209,7 @@ class Runner:
         return {
             "config": self.cfg.to_dict(), "skipped_methods": self.skipped,
             "model": self.fp.to_dict(), "table": self.table.summary().get("calibration"),
-            "scorer": self.cfg.scorer or str(self.table.calibration.get("scorer", "trig")),
+            "scorer": self.cfg.scorer or str(self.table.calibration.get("scorer", ScorerName.TRIG)),
             "scorer_stats": ("calibrated" if self.table.has_stats() and self.cfg.calibrated_stats
                              else "estimated from the query window"),
             "torch": torch.__version__, "transformers": transformers.__version__,

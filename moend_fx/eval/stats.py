@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -22,8 +23,7 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 
     Unlike the normal approximation it stays inside [0, 1] and is not degenerate at k = 0 or n.
     """
-    if n < 1:
-        raise MoendError(f"n {n} must be >= 1")
+    check_int("n", n)
     if not 0 <= k <= n:
         raise MoendError(f"k {k} out of range; allowed: 0..{n}")
     p = k / n
@@ -45,8 +45,7 @@ def bootstrap_interval(
         raise MoendError("scores is empty; need at least one score")
     if not 0.0 < level < 1.0:
         raise MoendError(f"level {level} out of range; allowed: (0, 1)")
-    if n_boot < 1:
-        raise MoendError(f"n_boot {n_boot} must be >= 1")
+    check_int("n_boot", n_boot)
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
     alpha = (1.0 - level) / 2.0

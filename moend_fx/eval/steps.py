@@ -93,7 +93,8 @@ def eval_attention_on(model: Any) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------- model steps
 
 
-def _device(model: Any) -> torch.device:
+def model_device(model: Any) -> torch.device:
+    """Where the model's parameters are (inputs are built there)."""
     return next(model.parameters()).device
 
 
@@ -113,7 +114,7 @@ def prefill(model: Any, ids: Sequence[int], *, window: int = 32, base: PrefillSt
     _RECORDER = QueryRecorder(n_layers, window, base.queries if base is not None else None)
     try:
         with eval_attention_on(model):
-            model(input_ids=torch.tensor([list(ids)], device=_device(model)), cache=cache, use_cache=True,
+            model(input_ids=torch.tensor([list(ids)], device=model_device(model)), cache=cache, use_cache=True,
                   logits_to_keep=1)
         queries = _RECORDER.q
     finally:
@@ -143,7 +144,7 @@ def greedy_decode(model: Any, cache: Any, suffix_ids: Sequence[int], max_new_tok
                   eos_token_id: int | None = None) -> tuple[list[int], str]:
     """Feed ``suffix_ids`` through ``cache`` then decode greedily. Returns (new token ids, stop reason:
     "eos", "max_new_tokens" or what ``stop(decoded text)`` said)."""
-    dev = _device(model)
+    dev = model_device(model)
     ids = torch.tensor([list(suffix_ids)], device=dev)
     out: list[int] = []
     for _ in range(max_new_tokens):

@@ -7,7 +7,7 @@ so for a query at ``t`` and a key at ``p`` (both pre-RoPE, scaling 1)::
 
     q_rot . k_rot = sum_i Re(q_i * conj(k_i) * exp(1j * inv_freq[i] * (t - p)))
 
-which is what the ``trig`` eviction score (``moend_fx.eviction.scoring``) averages over future ``t``.
+which is what the ``trig`` eviction score (``moend_fx.eviction.scorers.trig``) averages over future ``t``.
 
 Angles are computed exactly as HF does (float32 ``pos * inv_freq``, cos/sin in float32), so
 :func:`apply_rope` reproduces the model's rotated keys and :func:`invert_rope` undoes them.

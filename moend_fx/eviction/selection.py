@@ -1,23 +1,25 @@
 """Per-KV-head token selection: sinks and the recent window always, then the best scores.
 
-Ties go to the later position, so results are reproducible. Shapes as in :mod:`moend_fx.eviction.scoring`.
+Ties go to the later position, so results are reproducible. Shapes as in :mod:`moend_fx.eviction.scorers.base`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moend_fx.common.defaults import RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.scoring_inputs import _check_keys, _key_positions
+from moend_fx.eviction.scorers.inputs import as_key_positions, check_keys
 from moend_fx.plan.memory import keep_count
+from moend_fx.storage.tokens import gather_tokens
 
 
 def select_tokens(
     scores: torch.Tensor,
     n_keep: int,
     *,
-    sink_tokens: int = 4,
-    recent_tokens: int = 32,
+    sink_tokens: int = SINK_TOKENS,
+    recent_tokens: int = RECENT_TOKENS,
     key_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``n_keep`` tokens per (batch row, KV head).
@@ -41,7 +43,7 @@ def select_tokens(
     if key_positions is None:
         kp = torch.arange(t, device=scores.device).expand(b, hkv, t)
     else:
-        kp = _key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
+        kp = as_key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
 
     s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     idx = torch.arange(t, device=scores.device)
@@ -54,13 +56,13 @@ def select_tokens(
 
     # lexicographic (tier, score, position) descending with stable sorts, least significant key first
     order = torch.argsort(kp, dim=-1, descending=True, stable=True)
-    o = torch.argsort(s.gather(-1, order), dim=-1, descending=True, stable=True)
-    order = order.gather(-1, o)
-    o = torch.argsort(tier.expand(b, hkv, t).gather(-1, order), dim=-1, descending=True, stable=True)
-    order = order.gather(-1, o)
+    o = torch.argsort(gather_tokens(s, order), dim=-1, descending=True, stable=True)
+    order = gather_tokens(order, o)
+    o = torch.argsort(gather_tokens(tier.expand(b, hkv, t), order), dim=-1, descending=True, stable=True)
+    order = gather_tokens(order, o)
 
     indices = order[..., :n_keep].sort(dim=-1).values
-    return indices, kp.gather(-1, indices)
+    return indices, gather_tokens(kp, indices)
 
 
 def evict(
@@ -70,15 +72,15 @@ def evict(
     keep_ratio: float,
     *,
     key_positions: torch.Tensor | None = None,
-    sink_tokens: int = 4,
-    recent_tokens: int = 32,
+    sink_tokens: int = SINK_TOKENS,
+    recent_tokens: int = RECENT_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keep ``keep_count(T, keep_ratio)`` tokens per KV head and gather them.
 
     keys: [B, Hkv, T, D]; values: [B, Hkv, T, Dv]; scores: [B, Hkv, T]; key_positions as in
     :func:`select_tokens`. Returns (keys [B, Hkv, n, D], values [B, Hkv, n, Dv], positions [B, Hkv, n]).
     """
-    _check_keys(keys, values)
+    check_keys(keys, values)
     if tuple(scores.shape) != tuple(keys.shape[:3]):
         raise MoendError(f"scores {tuple(scores.shape)} must be [B, Hkv, T] = {tuple(keys.shape[:3])}")
     if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
@@ -87,6 +89,4 @@ def evict(
     indices, positions = select_tokens(
         scores, n, sink_tokens=sink_tokens, recent_tokens=recent_tokens, key_positions=key_positions
     )
-    ki = indices[..., None].expand(-1, -1, -1, keys.shape[-1])
-    vi = indices[..., None].expand(-1, -1, -1, values.shape[-1])
-    return keys.gather(2, ki), values.gather(2, vi), positions
+    return gather_tokens(keys, indices), gather_tokens(values, indices), positions

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.io import atomic_write_text
 from moend_fx.kernels import cpu
 from moend_fx.kernels.ops import packed_attention
@@ -44,7 +45,7 @@ def _time(fn: Callable[[int], object], copies: int, runs: int) -> float:
 
 def bench_decode(
     lengths: tuple[int, ...] = (2048, 8192, 32768), runs: int = 30, heads: int = 9, kv_heads: int = 3,
-    head_dim: int = 64, bits: tuple[int, ...] = (16, 8, 4), group_size: int = 32, seed: int = 0,
+    head_dim: int = 64, bits: tuple[int, ...] = (16, 8, 4), group_size: int = GROUP_SIZE, seed: int = 0,
 ) -> list[dict]:
     """Median ms per call for each method and length; rows of {method, tokens, ms, ratio_vs_sdpa, bytes}."""
     g = torch.Generator().manual_seed(seed)

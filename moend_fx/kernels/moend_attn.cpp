@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,19 +47,25 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int n)
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// exp(x) for x <= 0 (logit minus the running max), vectorisable: 2^t = 2^floor(t) * 2^frac(t) with a
-// degree-6 polynomial for 2^frac on [0, 1) (relative error ~1e-7, below fp32 accumulation noise here).
-inline float exp_nonpos(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.1871262e-04f;
+// 2^f for f in [0, 1), on one float or on 8 lanes (v8f): a degree-6 polynomial (relative error ~1e-7, below
+// fp32 accumulation noise here).
+template <typename V>
+inline V exp2_frac(V f) {
+  V p = V{} + 2.1871262e-04f;
   p = p * f + 1.2382416e-03f;
   p = p * f + 9.6861860e-03f;
   p = p * f + 5.5478912e-02f;
   p = p * f + 2.4023110e-01f;
   p = p * f + 6.9314682e-01f;
   p = p * f + 1.0f;
+  return p;
+}
+
+// exp(x) for x <= 0 (logit minus the running max), vectorisable: 2^t = 2^floor(t) * 2^frac(t).
+inline float exp_nonpos(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float p = exp2_frac(t - fi);
   return std::bit_cast<float>(std::bit_cast<int32_t>(p) + (static_cast<int32_t>(fi) << 23));
 }
 
@@ -86,14 +93,7 @@ inline v8f exp8_nonpos(v8f x) {
   v8f tf = __builtin_convertvector(ti, v8f);
   ti += (tf > t);  // comparison lanes are -1 where true
   tf = __builtin_convertvector(ti, v8f);
-  const v8f f = t - tf;
-  v8f p = v8f{} + 2.1871262e-04f;
-  p = p * f + 1.2382416e-03f;
-  p = p * f + 9.6861860e-03f;
-  p = p * f + 5.5478912e-02f;
-  p = p * f + 2.4023110e-01f;
-  p = p * f + 6.9314682e-01f;
-  p = p * f + 1.0f;
+  v8f p = exp2_frac(t - tf);
   v8i pi;
   std::memcpy(&pi, &p, sizeof(pi));
   pi += ti << 23;
@@ -120,16 +120,24 @@ inline void dot_rows_n(const float* __restrict Q, int D, const float* __restrict
   for (int r = 0; r < NR; ++r) out[r * ldl] = s[r] + (bias ? bias[r] : 0.f);
 }
 
-inline void dot_rows(const float* Q, int rows, int D, const float* c, float* out, int ldl, const float* bias) {
+// f(std::integral_constant<int, NR>{}, r) for the query rows [r, r + NR) of `rows`: blocks of 4, then the 1 to 3
+// rows left, so that every call works on a row count known at compile time.
+template <typename F>
+inline void for_row_blocks(int rows, F&& f) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) dot_rows_n<4>(Q + r * D, D, c, out + r * ldl, ldl, bias ? bias + r : nullptr);
-  const float* b = bias ? bias + r : nullptr;
+  for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
   switch (rows - r) {
-    case 3: dot_rows_n<3>(Q + r * D, D, c, out + r * ldl, ldl, b); break;
-    case 2: dot_rows_n<2>(Q + r * D, D, c, out + r * ldl, ldl, b); break;
-    case 1: dot_rows_n<1>(Q + r * D, D, c, out + r * ldl, ldl, b); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
+}
+
+inline void dot_rows(const float* Q, int rows, int D, const float* c, float* out, int ldl, const float* bias) {
+  for_row_blocks(rows, [&](auto nr, int r) {
+    dot_rows_n<decltype(nr)::value>(Q + r * D, D, c, out + r * ldl, ldl, bias ? bias + r : nullptr);
+  });
 }
 
 // acc[r] += p[r * ldl] * v for NR rows at once.
@@ -149,6 +157,18 @@ template <typename T>
 inline void to_float(const T* __restrict src, float* __restrict dst, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Row i of raw [n, D] storage as fp32: the row itself when it is stored as float, else converted into buf.
+template <typename T>
+inline const float* row_as_float(const T* base, int i, int D, float* buf) {
+  const T* src = base + static_cast<int64_t>(i) * D;
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    to_float(src, buf, D);
+    return buf;
+  }
 }
 
 // Unpack one row of W bytes into D = W * per floats, permuted order j*W + w.
@@ -194,16 +214,8 @@ using VFn = void (*)(const Args&, int64_t bkv, int t0, int n, int rows, const fl
 
 template <typename T>
 void k_raw_rows(const T* base, int n, int rows, int D, Scratch& s, int ldl) {
-  for (int i = 0; i < n; ++i) {
-    const float* kr;
-    if constexpr (std::is_same<T, float>::value) {
-      kr = base + static_cast<int64_t>(i) * D;
-    } else {
-      to_float(base + static_cast<int64_t>(i) * D, s.row.data(), D);
-      kr = s.row.data();
-    }
-    dot_rows(s.qsc.data(), rows, D, kr, s.lg.data() + i, ldl, nullptr);
-  }
+  for (int i = 0; i < n; ++i)
+    dot_rows(s.qsc.data(), rows, D, row_as_float(base, i, D, s.row.data()), s.lg.data() + i, ldl, nullptr);
 }
 
 template <int KB, typename T>
@@ -248,15 +260,10 @@ void k_residual(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s,
 }
 
 inline void v_accumulate(const float* v, int n_i, int rows, const float* p, int ldl, float* acc, int D) {
-  int r = 0;
   p += n_i;
-  for (; r + 4 <= rows; r += 4) axpy_rows_n<4>(p + r * ldl, ldl, v, acc + r * D, D);
-  switch (rows - r) {
-    case 3: axpy_rows_n<3>(p + r * ldl, ldl, v, acc + r * D, D); break;
-    case 2: axpy_rows_n<2>(p + r * ldl, ldl, v, acc + r * D, D); break;
-    case 1: axpy_rows_n<1>(p + r * ldl, ldl, v, acc + r * D, D); break;
-    default: break;
-  }
+  for_row_blocks(rows, [&](auto nr, int r) {
+    axpy_rows_n<decltype(nr)::value>(p + r * ldl, ldl, v, acc + r * D, D);
+  });
 }
 
 template <int VB, typename T>
@@ -265,16 +272,7 @@ void v_packed(const Args& a, int64_t bkv, int t0, int n, int rows, const float* 
   const int D = a.D;
   if constexpr (VB == 16) {
     const T* base = static_cast<const T*>(a.vp) + (bkv * a.P + t0) * D;
-    for (int i = 0; i < n; ++i) {
-      const float* vr;
-      if constexpr (std::is_same<T, float>::value) {
-        vr = base + static_cast<int64_t>(i) * D;
-      } else {
-        to_float(base + static_cast<int64_t>(i) * D, s.row.data(), D);
-        vr = s.row.data();
-      }
-      v_accumulate(vr, i, rows, p, ldl, acc, D);
-    }
+    for (int i = 0; i < n; ++i) v_accumulate(row_as_float(base, i, D, s.row.data()), i, rows, p, ldl, acc, D);
   } else {
     constexpr int per = 8 / VB;
     constexpr int mask = (1 << VB) - 1;
@@ -313,17 +311,12 @@ void v_residual(const Args& a, int64_t bkv, int t0, int n, int rows, const float
   const int D = a.D, per = a.vper, W = a.Wv;
   const T* base = static_cast<const T*>(a.vr) + (bkv * a.R + (t0 - a.P)) * D;
   for (int i = 0; i < n; ++i) {
-    const T* src = base + static_cast<int64_t>(i) * D;
     const float* vr;
     if (per == 1) {
-      if constexpr (std::is_same<T, float>::value) {
-        vr = src;
-      } else {
-        to_float(src, s.row.data(), D);
-        vr = s.row.data();
-      }
+      vr = row_as_float(base, i, D, s.row.data());
     } else {
       // Residual rows are stored plainly; put them into the accumulator's permuted order.
+      const T* src = base + static_cast<int64_t>(i) * D;
       for (int d = 0; d < D; ++d) s.row[(d % per) * W + d / per] = static_cast<float>(src[d]);
       vr = s.row.data();
     }
@@ -331,165 +324,176 @@ void v_residual(const Args& a, int64_t bkv, int t0, int n, int rows, const float
   }
 }
 
+// The specialisation of a side's function for its bit width (16 = raw rows).
+template <typename Fn>
+Fn pick_bits(int bits, Fn f2, Fn f4, Fn f8, Fn f16) {
+  switch (bits) {
+    case 2: return f2;
+    case 4: return f4;
+    case 8: return f8;
+    default: return f16;
+  }
+}
+
 template <typename T>
 KFn pick_k(int bits) {
-  switch (bits) {
-    case 2: return &k_packed<2, T>;
-    case 4: return &k_packed<4, T>;
-    case 8: return &k_packed<8, T>;
-    default: return &k_packed<16, T>;
-  }
+  return pick_bits<KFn>(bits, &k_packed<2, T>, &k_packed<4, T>, &k_packed<8, T>, &k_packed<16, T>);
 }
 
 template <typename T>
 VFn pick_v(int bits) {
-  switch (bits) {
-    case 2: return &v_packed<2, T>;
-    case 4: return &v_packed<4, T>;
-    case 8: return &v_packed<8, T>;
-    default: return &v_packed<16, T>;
-  }
+  return pick_bits<VFn>(bits, &v_packed<2, T>, &v_packed<4, T>, &v_packed<8, T>, &v_packed<16, T>);
 }
 
-template <typename T>
-void run(const Args& a, float* out, int num_splits) {
-  const int M = a.Gq * a.L;  // query rows of one GQA group: row m = head (m / L), query (m % L)
-  const int MB = std::min(M, 32);
-  const int nqb = (M + MB - 1) / MB;
-  const int D = a.D;
+// How run() divides the work: a unit is (batch row x KV head, query block of MB rows, token split of `chunk`
+// tokens); its partial result is MB rows of (acc[D], m, l), `stride` floats.
+struct Work {
+  int M, MB, nqb, BT, ns, chunk, stride;
+  int64_t base_units, units;
+};
+
+Work plan_work(const Args& a, int num_splits) {
+  Work w{};
+  w.M = a.Gq * a.L;  // query rows of one GQA group: row m = head (m / L), query (m % L)
+  w.MB = std::min(w.M, 32);
+  w.nqb = (w.M + w.MB - 1) / w.MB;
   // Token block: a multiple of G so packed blocks never straddle a split boundary mid-group.
-  const int BT = std::max(a.G, 64);
-  const int64_t base_units = static_cast<int64_t>(a.B) * a.Hkv * nqb;
-  const int nblocks = std::max(1, (a.S + BT - 1) / BT);
+  w.BT = std::max(a.G, 64);
+  w.base_units = static_cast<int64_t>(a.B) * a.Hkv * w.nqb;
+  const int nblocks = std::max(1, (a.S + w.BT - 1) / w.BT);
   int ns = num_splits;
   if (ns <= 0) {
     // Enough units to keep every thread busy, each split at least 4 blocks long.
     const int nt = std::max(1, at::get_num_threads());
     const int max_ns = std::max(1, nblocks / 4);
-    ns = static_cast<int>(std::min<int64_t>(max_ns, (4 * nt + base_units - 1) / base_units));
-    while (ns < max_ns && (base_units * ns) % nt != 0) ++ns;
+    ns = static_cast<int>(std::min<int64_t>(max_ns, (4 * nt + w.base_units - 1) / w.base_units));
+    while (ns < max_ns && (w.base_units * ns) % nt != 0) ++ns;
   }
   ns = std::max(1, std::min(ns, nblocks));
-  const int chunk = ((nblocks + ns - 1) / ns) * BT;
-  ns = std::max(1, (a.S + chunk - 1) / chunk);
-  const int64_t units = base_units * ns;
-  const int stride = MB * (D + 2);  // per unit: MB rows of (acc[D], m, l)
-  std::vector<float> part(static_cast<size_t>(units) * stride);
+  w.chunk = ((nblocks + ns - 1) / ns) * w.BT;
+  w.ns = std::max(1, (a.S + w.chunk - 1) / w.chunk);
+  w.units = w.base_units * w.ns;
+  w.stride = w.MB * (a.D + 2);
+  return w;
+}
 
-  const KFn kfn = pick_k<T>(a.kbits);
-  const VFn vfn = pick_v<T>(a.vbits);
-
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(MB, D, BT);
-    for (int64_t u = begin; u < end; ++u) {
-      const int split = static_cast<int>(u % ns);
-      const int qb = static_cast<int>((u / ns) % nqb);
-      const int64_t bkv = u / (static_cast<int64_t>(ns) * nqb);  // b * Hkv + kv head
-      const int64_t b = bkv / a.Hkv, kvh = bkv % a.Hkv;
-      const int m0 = qb * MB, rows = std::min(MB, M - m0);
-      float* acc = part.data() + u * stride;
-      float* mrow = acc + MB * D;
-      float* lrow = mrow + MB;
-      std::fill(acc, acc + MB * D, 0.f);
-      std::vector<int> limit(rows);
-      int max_limit = 0;
-      for (int r = 0; r < rows; ++r) {
-        const int m = m0 + r, h = static_cast<int>(kvh) * a.Gq + m / a.L, l = m % a.L;
-        const float* qsrc = a.q + ((b * a.H + h) * a.L + l) * D;
-        for (int d = 0; d < D; ++d) s.qsc[r * D + d] = qsrc[d] * a.scale;
-        // bottom-right causal mask: query l of the newest L tokens sees keys j <= S - L + l
-        limit[r] = (a.causal && a.L > 1) ? a.S - a.L + l : a.S - 1;
-        max_limit = std::max(max_limit, limit[r]);
-        mrow[r] = kNegInf;
-        lrow[r] = 0.f;
+// One online-softmax step of one query row over a block of n logits lg (nvalid of them visible): lg becomes the
+// unnormalised probabilities (0 where not visible), the running max m and sum l and the accumulator row are
+// rescaled to the new max.
+inline void softmax_step(float* lg, int n, int nvalid, float& m, float& l, float* acc_row, int D) {
+  if (nvalid == 0) {
+    std::fill(lg, lg + n, 0.f);  // p = 0: this row sees none of the block
+    return;
+  }
+  float mx = kNegInf;
+  {
+    int i = 0;
+    if (nvalid >= 8) {
+      v8f vm = load8(lg);
+      for (i = 8; i + 8 <= nvalid; i += 8) {
+        const v8f x = load8(lg + i);
+        vm = x > vm ? x : vm;
       }
-      const int t_begin = split * chunk, t_end = std::min(a.S, (split + 1) * chunk);
-      for (int t0 = t_begin; t0 < t_end && t0 <= max_limit;) {
-        // A block lies wholly in the packed region or wholly in the residual window.
-        const int t1 = t0 < a.P ? std::min({t_end, a.P, t0 + BT}) : std::min(t_end, t0 + BT);
-        const int n = t1 - t0;
-        const bool packed = t0 < a.P;
-        if (packed) kfn(a, bkv, t0, n, rows, s, BT);
-        else k_residual<T>(a, bkv, t0, n, rows, s, BT);
-        // Online softmax over the block.
-        for (int r = 0; r < rows; ++r) {
-          float* lg = s.lg.data() + r * BT;
-          const int nvalid = std::max(0, std::min(n, limit[r] - t0 + 1));
-          if (nvalid == 0) {
-            std::fill(lg, lg + n, 0.f);  // p = 0: this row sees none of the block
-            continue;
-          }
-          float mx = kNegInf;
-          {
-            int i = 0;
-            if (nvalid >= 8) {
-              v8f vm = load8(lg);
-              for (i = 8; i + 8 <= nvalid; i += 8) {
-                const v8f x = load8(lg + i);
-                vm = x > vm ? x : vm;
-              }
-              for (int j = 0; j < 8; ++j) mx = std::max(mx, vm[j]);
-            }
-            for (; i < nvalid; ++i) mx = std::max(mx, lg[i]);
-          }
-          const float mnew = std::max(mrow[r], mx);
-          const float alpha = std::exp(mrow[r] - mnew);  // 0 when mrow was -inf
-          if (alpha != 1.f) {
-            float* ar = acc + r * D;
-#pragma omp simd
-            for (int d = 0; d < D; ++d) ar[d] *= alpha;
-          }
-          float sum = 0.f;
-          {
-            int i = 0;
-            v8f vs = v8f{};
-            for (; i + 8 <= nvalid; i += 8) {
-              const v8f e = exp8_nonpos(load8(lg + i) - mnew);
-              store8(lg + i, e);
-              vs += e;
-            }
-            sum = hsum8(vs);
-            for (; i < nvalid; ++i) {
-              lg[i] = exp_nonpos(lg[i] - mnew);
-              sum += lg[i];
-            }
-            for (; i < n; ++i) lg[i] = 0.f;
-          }
-          lrow[r] = lrow[r] * alpha + sum;
-          mrow[r] = mnew;
-        }
-        if (packed) vfn(a, bkv, t0, n, rows, s.lg.data(), BT, acc, s);
-        else v_residual<T>(a, bkv, t0, n, rows, s.lg.data(), BT, acc, s);
-        t0 = t1;
-      }
+      for (int j = 0; j < 8; ++j) mx = std::max(mx, vm[j]);
     }
-  });
+    for (; i < nvalid; ++i) mx = std::max(mx, lg[i]);
+  }
+  const float mnew = std::max(m, mx);
+  const float alpha = std::exp(m - mnew);  // 0 when m was -inf
+  if (alpha != 1.f) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) acc_row[d] *= alpha;
+  }
+  float sum = 0.f;
+  {
+    int i = 0;
+    v8f vs = v8f{};
+    for (; i + 8 <= nvalid; i += 8) {
+      const v8f e = exp8_nonpos(load8(lg + i) - mnew);
+      store8(lg + i, e);
+      vs += e;
+    }
+    sum = hsum8(vs);
+    for (; i < nvalid; ++i) {
+      lg[i] = exp_nonpos(lg[i] - mnew);
+      sum += lg[i];
+    }
+    for (; i < n; ++i) lg[i] = 0.f;
+  }
+  l = l * alpha + sum;
+  m = mnew;
+}
 
-  // Merge the token splits (log-sum-exp) and un-permute V's channel order into out [B, H, L, D].
+// Work unit u: attend its query rows over its token split, leaving (acc, m, l) partials in `part`.
+template <typename T>
+void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* part, KFn kfn, VFn vfn) {
+  const int D = a.D, MB = w.MB, BT = w.BT;
+  const int split = static_cast<int>(u % w.ns);
+  const int qb = static_cast<int>((u / w.ns) % w.nqb);
+  const int64_t bkv = u / (static_cast<int64_t>(w.ns) * w.nqb);  // b * Hkv + kv head
+  const int64_t b = bkv / a.Hkv, kvh = bkv % a.Hkv;
+  const int m0 = qb * MB, rows = std::min(MB, w.M - m0);
+  float* acc = part + u * w.stride;
+  float* mrow = acc + MB * D;
+  float* lrow = mrow + MB;
+  std::fill(acc, acc + MB * D, 0.f);
+  std::vector<int> limit(rows);
+  int max_limit = 0;
+  for (int r = 0; r < rows; ++r) {
+    const int m = m0 + r, h = static_cast<int>(kvh) * a.Gq + m / a.L, l = m % a.L;
+    const float* qsrc = a.q + ((b * a.H + h) * a.L + l) * D;
+    for (int d = 0; d < D; ++d) s.qsc[r * D + d] = qsrc[d] * a.scale;
+    // bottom-right causal mask: query l of the newest L tokens sees keys j <= S - L + l
+    limit[r] = (a.causal && a.L > 1) ? a.S - a.L + l : a.S - 1;
+    max_limit = std::max(max_limit, limit[r]);
+    mrow[r] = kNegInf;
+    lrow[r] = 0.f;
+  }
+  const int t_begin = split * w.chunk, t_end = std::min(a.S, (split + 1) * w.chunk);
+  for (int t0 = t_begin; t0 < t_end && t0 <= max_limit;) {
+    // A block lies wholly in the packed region or wholly in the residual window.
+    const int t1 = t0 < a.P ? std::min({t_end, a.P, t0 + BT}) : std::min(t_end, t0 + BT);
+    const int n = t1 - t0;
+    const bool packed = t0 < a.P;
+    if (packed) kfn(a, bkv, t0, n, rows, s, BT);
+    else k_residual<T>(a, bkv, t0, n, rows, s, BT);
+    for (int r = 0; r < rows; ++r) {
+      const int nvalid = std::max(0, std::min(n, limit[r] - t0 + 1));
+      softmax_step(s.lg.data() + r * BT, n, nvalid, mrow[r], lrow[r], acc + r * D, D);
+    }
+    if (packed) vfn(a, bkv, t0, n, rows, s.lg.data(), BT, acc, s);
+    else v_residual<T>(a, bkv, t0, n, rows, s.lg.data(), BT, acc, s);
+    t0 = t1;
+  }
+}
+
+// Merge the token splits (log-sum-exp) and un-permute V's channel order into out [B, H, L, D].
+void merge_splits(const Args& a, const Work& w, const float* part, float* out) {
+  const int D = a.D, MB = w.MB, ns = w.ns, stride = w.stride;
   const int per = a.vper, W = a.Wv;
-  at::parallel_for(0, base_units, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, w.base_units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> accum(D);
     for (int64_t bu = begin; bu < end; ++bu) {
-      const int qb = static_cast<int>(bu % nqb);
-      const int64_t bkv = bu / nqb;
+      const int qb = static_cast<int>(bu % w.nqb);
+      const int64_t bkv = bu / w.nqb;
       const int64_t b = bkv / a.Hkv, kvh = bkv % a.Hkv;
-      const int m0 = qb * MB, rows = std::min(MB, M - m0);
+      const int m0 = qb * MB, rows = std::min(MB, w.M - m0);
       for (int r = 0; r < rows; ++r) {
         float mmax = kNegInf;
         for (int sp = 0; sp < ns; ++sp) {
-          const float* pp = part.data() + (bu * ns + sp) * stride;
+          const float* pp = part + (bu * ns + sp) * stride;
           mmax = std::max(mmax, pp[MB * D + r]);
         }
         std::fill(accum.begin(), accum.end(), 0.f);
         float lsum = 0.f;
         if (mmax != kNegInf) {
           for (int sp = 0; sp < ns; ++sp) {
-            const float* pp = part.data() + (bu * ns + sp) * stride;
+            const float* pp = part + (bu * ns + sp) * stride;
             const float ms = pp[MB * D + r];
             if (ms == kNegInf) continue;
-            const float w = std::exp(ms - mmax);
-            lsum += w * pp[MB * D + MB + r];
-            axpy(w, pp + r * D, accum.data(), D);
+            const float wt = std::exp(ms - mmax);
+            lsum += wt * pp[MB * D + MB + r];
+            axpy(wt, pp + r * D, accum.data(), D);
           }
         }
         const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // no visible key -> 0, like the reference
@@ -499,6 +503,30 @@ void run(const Args& a, float* out, int num_splits) {
       }
     }
   });
+}
+
+template <typename T>
+void run(const Args& a, float* out, int num_splits) {
+  const Work w = plan_work(a, num_splits);
+  std::vector<float> part(static_cast<size_t>(w.units) * w.stride);
+  const KFn kfn = pick_k<T>(a.kbits);
+  const VFn vfn = pick_v<T>(a.vbits);
+  at::parallel_for(0, w.units, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(w.MB, a.D, w.BT);
+    for (int64_t u = begin; u < end; ++u) attend_unit<T>(a, w, u, s, part.data(), kfn, vfn);
+  });
+  merge_splits(a, w, part.data(), out);
+}
+
+// A side's storage: uint8 codes with fp16 scales and zeros, or (16-bit) raw rows in its residual's dtype.
+void check_side_dtypes(const char* side, const char* res_name, int64_t bits, const at::Tensor& packed,
+                       const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& res, int P) {
+  if (bits != 16) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
+                    zero.scalar_type() == at::kHalf, side, " codes uint8, scales fp16");
+  } else {
+    TORCH_CHECK(P == 0 || packed.scalar_type() == res.scalar_type(), "raw ", side, " dtype must match ", res_name);
+  }
 }
 
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
@@ -534,18 +562,8 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k_packed, con
   a.scale = static_cast<float>(scale);
   for (const at::Tensor* t : {&k_packed, &k_scale, &k_zero, &v_packed, &v_scale, &v_zero})
     TORCH_CHECK(t->is_contiguous(), "packed tensors must be contiguous");
-  if (k_bits != 16) {
-    TORCH_CHECK(k_packed.scalar_type() == at::kByte && k_scale.scalar_type() == at::kHalf &&
-                    k_zero.scalar_type() == at::kHalf, "K codes uint8, scales fp16");
-  } else {
-    TORCH_CHECK(a.P == 0 || k_packed.scalar_type() == k_res.scalar_type(), "raw K dtype must match k_res");
-  }
-  if (v_bits != 16) {
-    TORCH_CHECK(v_packed.scalar_type() == at::kByte && v_scale.scalar_type() == at::kHalf &&
-                    v_zero.scalar_type() == at::kHalf, "V codes uint8, scales fp16");
-  } else {
-    TORCH_CHECK(a.P == 0 || v_packed.scalar_type() == v_res.scalar_type(), "raw V dtype must match v_res");
-  }
+  check_side_dtypes("K", "k_res", k_bits, k_packed, k_scale, k_zero, k_res, a.P);
+  check_side_dtypes("V", "v_res", v_bits, v_packed, v_scale, v_zero, v_res, a.P);
   a.q = q.data_ptr<float>();
   a.kp = k_packed.data_ptr();
   a.vp = v_packed.data_ptr();

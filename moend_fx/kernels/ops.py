@@ -16,15 +16,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
 from moend_fx.attention.reference import attention_dense
+from moend_fx.common.checks import check_bits, check_choice, check_power_of_two
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import Kernel, QuantMode
 from moend_fx.kernels import cpu
-from moend_fx.kernels.variants import check_bits, check_kernel
+from moend_fx.kernels.variants import BITS
 from moend_fx.storage.packed import PackedKV
-from moend_fx.storage.quant import MODE_CHANNEL, MODE_TOKEN, dequantize_reference, packed_width
+from moend_fx.storage.quant import OP_MODE, dequantize_reference, packed_width, scale_shape
 
 _RAW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,13 +35,14 @@ _RAW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def check_inputs(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
-    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, causal: bool,
+    v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
 ) -> None:
-    """Raise :class:`MoendError` naming the first tensor whose shape or dtype does not fit the layout."""
-    check_bits("k_bits", k_bits)
-    check_bits("v_bits", v_bits)
-    if group_size <= 0 or group_size & (group_size - 1):
-        raise MoendError(f"group_size={group_size!r} is invalid; allowed: a power of two")
+    """Raise :class:`MoendError` naming the first tensor whose shape or dtype does not fit the layout.
+
+    Takes the op's arguments as they are (shapes as in :func:`packed_attention_op`); any float ``scale`` fits."""
+    check_bits("k_bits", k_bits, allowed=BITS, error=MoendError)
+    check_bits("v_bits", v_bits, allowed=BITS, error=MoendError)
+    check_power_of_two("group_size", group_size, error=MoendError)
     if q.dim() != 4:
         raise MoendError(f"q must be [B, H, L, D]; got shape {tuple(q.shape)}")
     b, h, l, d = q.shape
@@ -51,9 +55,8 @@ def check_inputs(
     if hkv == 0 or h % hkv:
         raise MoendError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
     p = k_packed.shape[2] if k_packed.dim() == 4 else -1
-    gv = min(group_size, d)
-    for side, bits, packed, sc, ze, mode in (("k", k_bits, k_packed, k_scale, k_zero, MODE_CHANNEL),
-                                             ("v", v_bits, v_packed, v_scale, v_zero, MODE_TOKEN)):
+    for side, bits, packed, sc, ze, mode in (("k", k_bits, k_packed, k_scale, k_zero, QuantMode.CHANNEL),
+                                             ("v", v_bits, v_packed, v_scale, v_zero, QuantMode.TOKEN)):
         if bits == 16:
             want = (b, hkv, p, d)
             if tuple(packed.shape) != want:
@@ -66,7 +69,7 @@ def check_inputs(
         if tuple(packed.shape) != want or packed.dtype != torch.uint8:
             raise MoendError(f"{side}_packed ({bits}-bit codes) must be uint8 {want}; got {packed.dtype} "
                              f"{tuple(packed.shape)}")
-        want_s = (b, hkv, p // group_size, d) if mode == MODE_CHANNEL else (b, hkv, p, d // gv)
+        want_s = scale_shape(mode, b, hkv, p, d, group_size)
         for name, t in ((f"{side}_scale", sc), (f"{side}_zero", ze)):
             if tuple(t.shape) != want_s:
                 raise MoendError(f"{name} must be {want_s}; got {tuple(t.shape)}")
@@ -84,13 +87,13 @@ def reference_packed_attention(
     """Dequantize the whole layer, then fp32 attention (``reference_attention`` semantics)."""
     d = q.shape[-1]
 
-    def dense(packed, sc, ze, bits, mode):
+    def dense(packed: torch.Tensor, sc: torch.Tensor, ze: torch.Tensor, bits: int, mode: QuantMode) -> torch.Tensor:
         if bits == 16:
             return packed.float()
-        return dequantize_reference(packed, sc, ze, bits, group_size, mode, d, torch.float32)
+        return dequantize_reference(packed, sc, ze, bits, group_size, OP_MODE[mode], d, torch.float32)
 
-    k = torch.cat([dense(k_packed, k_scale, k_zero, k_bits, MODE_CHANNEL), k_res.float()], dim=2)
-    v = torch.cat([dense(v_packed, v_scale, v_zero, v_bits, MODE_TOKEN), v_res.float()], dim=2)
+    k = torch.cat([dense(k_packed, k_scale, k_zero, k_bits, QuantMode.CHANNEL), k_res.float()], dim=2)
+    v = torch.cat([dense(v_packed, v_scale, v_zero, v_bits, QuantMode.TOKEN), v_res.float()], dim=2)
     return attention_dense(q, k, v, scale=scale, causal_chunk=causal)
 
 
@@ -104,7 +107,8 @@ def cpu_kernel_supports(q: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bit
 
 
 def _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-              group_size, scale, causal, num_splits: int = 0):
+              group_size, scale, causal, num_splits: int = 0) -> torch.Tensor:
+    """The C++ kernel where it covers the inputs and built, else the reference (arguments as the op's)."""
     args = (q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
             group_size, scale, causal)
     if cpu_kernel_supports(q, k_res, k_bits, v_bits, group_size) and cpu.available():
@@ -112,13 +116,21 @@ def _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_
     return reference_packed_attention(*args)
 
 
-def _triton_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                 group_size, scale, causal, num_splits: int = 0):
+def _triton_impl(*args, num_splits: int = 0) -> torch.Tensor:
+    """The Triton decode kernel (arguments as the op's); imported on first use, so CPU-only runs never load it."""
     from moend_fx.kernels import triton_decode
 
-    return triton_decode.packed_attention_triton(
-        q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
-        scale, causal, num_splits=num_splits)
+    return triton_decode.packed_attention_triton(*args, num_splits=num_splits)
+
+
+def _checked(impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``impl`` behind :func:`check_inputs`, so every implementation of the op rejects a bad layout alike."""
+
+    def kernel(*args) -> torch.Tensor:
+        check_inputs(*args)
+        return impl(*args)
+
+    return kernel
 
 
 @torch.library.custom_op("moend::packed_attention", mutates_args=())
@@ -135,10 +147,8 @@ def packed_attention_op(
     causal: the L queries are the newest L of the S = P + R held tokens (bottom-right mask).
     Returns [B, H, L, D] in q's dtype. This body is the fallback for devices without a kernel.
     """
-    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                 group_size, causal)
-    return reference_packed_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res,
-                                      k_bits, v_bits, group_size, scale, causal)
+    return _checked(reference_packed_attention)(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res,
+                                                v_res, k_bits, v_bits, group_size, scale, causal)
 
 
 @packed_attention_op.register_fake
@@ -147,35 +157,22 @@ def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_b
     return torch.empty_like(q)
 
 
-@packed_attention_op.register_kernel("cpu")
-def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
-      scale, causal):
-    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                 group_size, causal)
-    return _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                     group_size, scale, causal)
-
-
-@packed_attention_op.register_kernel("cuda")
-def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
-      scale, causal):
-    check_inputs(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                 group_size, causal)
-    return _triton_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-                        group_size, scale, causal)
+packed_attention_op.register_kernel("cpu")(_checked(_cpu_impl))
+packed_attention_op.register_kernel("cuda")(_checked(_triton_impl))
 
 
 def layer_tensors(layer: PackedKV) -> tuple[torch.Tensor, ...]:
     """The op's tensor arguments of a layer: (k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res,
     v_res); a 16-bit side passes its raw [B, Hkv, P, D] tensor and empty fp16 scales/zeros."""
     out: list[torch.Tensor] = []
-    for block in (layer.k_packed, layer.v_packed):
+    for block in layer.blocks():
         if isinstance(block, torch.Tensor):
+            # The op's schema wants tensors on every side, so a raw side gets empty stand-ins.
             empty = torch.empty(0, dtype=torch.float16, device=block.device)
             out += [block, empty, empty]
         else:
-            out += [block.codes, block.scale, block.zero]
-    return (*out, layer.k_res, layer.v_res)
+            out += block.tensors()
+    return (*out, *layer.residuals())
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -187,7 +184,7 @@ def triton_usable(device: torch.device) -> bool:
 
 def packed_attention(
     q: torch.Tensor, layer: PackedKV, *, scale: float | None = None, causal: bool = True,
-    kernel: str = "auto", num_splits: int = 0,
+    kernel: Kernel | str = Kernel.AUTO, num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of q: [B, H, L, D] over every token ``layer`` holds; returns [B, H, L, D] in q's dtype.
 
@@ -195,18 +192,17 @@ def packed_attention(
     causal: the L queries are the newest L held tokens (append the chunk to the layer first).
     num_splits: token splits for "cpu"/"triton" (0 = chosen from the length); for tests and benchmarks.
     """
-    check_kernel(kernel)
-    tensors = layer_tensors(layer)
+    kernel = check_choice("kernel", kernel, Kernel, error=MoendError)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cfg = layer.config
-    args = (q, *tensors, cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal)
-    if kernel == "auto":
+    args = (q, *layer_tensors(layer), cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal)
+    if kernel == Kernel.AUTO:
         return torch.ops.moend.packed_attention(*args)
-    check_inputs(*args[:12], causal)
-    if kernel == "reference":
+    check_inputs(*args)
+    if kernel == Kernel.REFERENCE:
         return reference_packed_attention(*args)
-    if kernel == "cpu":
+    if kernel == Kernel.CPU:
         if q.device.type != "cpu":
             raise MoendError(f"kernel='cpu' needs CPU tensors; got q on {q.device} (use 'auto' or 'triton')")
         return _cpu_impl(*args, num_splits=num_splits)

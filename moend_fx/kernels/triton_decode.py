@@ -26,53 +26,53 @@ from moend_fx.common.errors import MoendError
 
 
 @triton.jit
-def _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, IN_RES: tl.constexpr, K_BITS: tl.constexpr,
-            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
-    """K rows [BLOCK_N, HEAD_DIM] in fp32 for token offsets offs_n of the packed region or the residual."""
-    if IN_RES:
-        ptr = kr + (bkv * R + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    elif K_BITS == 16:
-        ptr = kp + (bkv * P + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    else:
-        PER: tl.constexpr = 8 // K_BITS
-        W: tl.constexpr = HEAD_DIM // PER
-        # channel d is value d % PER of byte d // PER, at bit offset K_BITS * (d % PER)
-        byte = tl.load(kp + (bkv * P + offs_n)[:, None] * W + (offs_d // PER)[None, :], mask=n_mask[:, None],
-                       other=0)
-        code = (byte.to(tl.int32) >> ((offs_d % PER) * K_BITS)[None, :]) & ((1 << K_BITS) - 1)
-        # per-channel groups of GROUP tokens: scale/zero [.., P / GROUP, D]
-        sidx = (bkv * (P // GROUP) + offs_n // GROUP)[:, None] * HEAD_DIM + offs_d[None, :]
-        sc = tl.load(ks + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        ze = tl.load(kz + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        k = code.to(tl.float32) * sc + ze
-    return k
+def _load_rows(base, bkv, length, offs_n, offs_d, n_mask, HEAD_DIM: tl.constexpr):
+    """Raw rows [BLOCK_N, HEAD_DIM] in fp32 of a [B*Hkv, length, HEAD_DIM] tensor (a residual window or a 16-bit
+    packed side) at token offsets offs_n."""
+    ptr = base + (bkv * length + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+    return tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, IN_RES: tl.constexpr, V_BITS: tl.constexpr,
-            HEAD_DIM: tl.constexpr, GROUP_V: tl.constexpr):
-    """V rows [BLOCK_N, HEAD_DIM] in fp32."""
+def _load_codes(codes, bkv, P, offs_n, offs_d, n_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Integer codes [BLOCK_N, HEAD_DIM] of the packed tokens offs_n: channel d is value d % PER of byte d // PER,
+    at bit offset BITS * (d % PER)."""
+    PER: tl.constexpr = 8 // BITS
+    W: tl.constexpr = HEAD_DIM // PER
+    byte = tl.load(codes + (bkv * P + offs_n)[:, None] * W + (offs_d // PER)[None, :], mask=n_mask[:, None],
+                   other=0)
+    return (byte.to(tl.int32) >> ((offs_d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _dequantize(code, scale, zero, sidx, n_mask):
+    """code * scale + zero in fp32, the fp16 scale and zero read at indices sidx [BLOCK_N, HEAD_DIM]."""
+    sc = tl.load(scale + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    ze = tl.load(zero + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    return code.to(tl.float32) * sc + ze
+
+
+@triton.jit
+def _load_side(packed, scale, zero, res, bkv, offs_n, offs_d, n_mask, P, R, IN_RES: tl.constexpr,
+               BITS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """K or V rows [BLOCK_N, HEAD_DIM] in fp32 for token offsets offs_n of the packed region or the residual.
+
+    PER_CHANNEL: K's layout (groups of GROUP tokens per channel), else V's (groups of GROUP channels per token)."""
     if IN_RES:
-        ptr = vr + (bkv * R + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-        v = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    elif V_BITS == 16:
-        ptr = vp + (bkv * P + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-        v = tl.load(ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        rows = _load_rows(res, bkv, R, offs_n, offs_d, n_mask, HEAD_DIM)
+    elif BITS == 16:
+        rows = _load_rows(packed, bkv, P, offs_n, offs_d, n_mask, HEAD_DIM)
     else:
-        PER: tl.constexpr = 8 // V_BITS
-        W: tl.constexpr = HEAD_DIM // PER
-        NG: tl.constexpr = HEAD_DIM // GROUP_V
-        byte = tl.load(vp + (bkv * P + offs_n)[:, None] * W + (offs_d // PER)[None, :], mask=n_mask[:, None],
-                       other=0)
-        code = (byte.to(tl.int32) >> ((offs_d % PER) * V_BITS)[None, :]) & ((1 << V_BITS) - 1)
-        # per-token groups of GROUP_V channels: scale/zero [.., P, D / GROUP_V]
-        sidx = (bkv * P + offs_n)[:, None] * NG + (offs_d // GROUP_V)[None, :]
-        sc = tl.load(vs + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        ze = tl.load(vz + sidx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        v = code.to(tl.float32) * sc + ze
-    return v
+        code = _load_codes(packed, bkv, P, offs_n, offs_d, n_mask, BITS, HEAD_DIM)
+        if PER_CHANNEL:
+            # scale/zero [.., P / GROUP, D]
+            sidx = (bkv * (P // GROUP) + offs_n // GROUP)[:, None] * HEAD_DIM + offs_d[None, :]
+        else:
+            # scale/zero [.., P, D / GROUP]
+            NG: tl.constexpr = HEAD_DIM // GROUP
+            sidx = (bkv * P + offs_n)[:, None] * NG + (offs_d // GROUP)[None, :]
+        rows = _dequantize(code, scale, zero, sidx, n_mask)
+    return rows
 
 
 @triton.jit
@@ -92,6 +92,25 @@ def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit):
 
 
 @triton.jit
+def _load_queries(q_ptr, b, kvh, offs_m, offs_d, H, L, S, scale, GQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """Query rows offs_m of KV head kvh's GQA group, pre-scaled: [BLOCK_M, HEAD_DIM] fp32 (row m = query head m // L
+    of the group, query m % L of the chunk; 0 past the group's GQ * L rows), and the last token id each row may see
+    [BLOCK_M] (-1 past the group)."""
+    m_mask = offs_m < GQ * L
+    head = kvh * GQ + offs_m // L
+    qpos = offs_m % L
+    q = tl.load(q_ptr + ((b * H + head) * L + qpos)[:, None] * HEAD_DIM + offs_d[None, :], mask=m_mask[:, None],
+                other=0.0).to(tl.float32) * scale
+    # bottom-right causal mask: query qpos of the newest L tokens sees token ids <= S - L + qpos
+    if CAUSAL:
+        limit = S - L + qpos
+    else:
+        limit = qpos * 0 + S - 1
+    return q, tl.where(m_mask, limit, -1)
+
+
+@triton.jit
 def _packed_decode_kernel(
     q_ptr, kp, ks, kz, vp, vs, vz, kr, vr, part_m, part_l, part_acc,
     H, L, P, R, S, tokens_per_split, num_splits, scale,
@@ -107,23 +126,9 @@ def _packed_decode_kernel(
     split = tl.program_id(1)
     mblk = tl.program_id(2)
     hkv = H // GQ
-    b = bkv // hkv
-    kvh = bkv % hkv
-
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = GQ * L
-    m_mask = offs_m < rows
-    head = kvh * GQ + offs_m // L
-    qpos = offs_m % L
-    q = tl.load(q_ptr + ((b * H + head) * L + qpos)[:, None] * HEAD_DIM + offs_d[None, :], mask=m_mask[:, None],
-                other=0.0).to(tl.float32) * scale
-    # bottom-right causal mask: query qpos of the newest L tokens sees token ids <= S - L + qpos
-    if CAUSAL:
-        limit = S - L + qpos
-    else:
-        limit = qpos * 0 + S - 1
-    limit = tl.where(m_mask, limit, -1)
+    q, limit = _load_queries(q_ptr, bkv // hkv, bkv % hkv, offs_m, offs_d, H, L, S, scale, GQ, HEAD_DIM, CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -134,16 +139,17 @@ def _packed_decode_kernel(
     for t0 in range(start, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP)
-        v = _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, False, V_BITS, HEAD_DIM, GROUP_V)
+        k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP, True)
+        v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, False, V_BITS, HEAD_DIM, GROUP_V, False)
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit)
 
     if split == num_splits - 1:
         for t0 in range(0, R, BLOCK_N):
             offs_n = t0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < R
-            k = _load_k(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, True, K_BITS, HEAD_DIM, GROUP)
-            v = _load_v(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, True, V_BITS, HEAD_DIM, GROUP_V)
+            k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, True, K_BITS, HEAD_DIM, GROUP, True)
+            v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, True, V_BITS, HEAD_DIM, GROUP_V,
+                           False)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit)
 
     # partials: [B*Hkv, splits, rows_padded] and [.., HEAD_DIM]

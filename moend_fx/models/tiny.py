@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
+from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
-from moend_fx.models.loader import _check_dtype
+from moend_fx.models.loader import check_dtype
 
 TINY_FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -39,12 +40,6 @@ def _model_class(family: str):
     return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[family]
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise MoendError(f"{name}={value!r} is invalid; expected a positive int")
-    return value
-
-
 def tiny_model(
     family: str = "llama",
     *,
@@ -70,14 +65,14 @@ def tiny_model(
     for n, v in (("num_layers", num_layers), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                  ("head_dim", head_dim), ("vocab_size", vocab_size),
                  ("max_position_embeddings", max_position_embeddings)):
-        _positive_int(n, v)
+        check_int(n, v)
     if num_heads % num_kv_heads:
         raise MoendError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
                          "(each KV head serves a whole group of query heads)")
     if head_dim % 2:
         raise MoendError(f"head_dim={head_dim} must be even (RoPE rotates pairs of channels)")
-    hidden = _positive_int("hidden_size", hidden_size) if hidden_size is not None else num_heads * head_dim
-    dtype = _check_dtype(dtype)
+    hidden = check_int("hidden_size", hidden_size) if hidden_size is not None else num_heads * head_dim
+    dtype = check_dtype(dtype)
     kw: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -15,24 +15,44 @@ Solvers, reports, budgets and the cache's measured ``nbytes()`` all use these fu
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from moend_fx.common.defaults import GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import BudgetError
-from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.plan.config import LayerConfig
+from moend_fx.plan.fingerprint import ModelFingerprint
 
 SCALE_BYTES = 2  # fp16 scale and fp16 zero per quantization group
 POSITION_BYTES = 4  # int32 original position per kept token per KV head
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-
-_PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RoutingPlan)}
 # The floor of a plan with default sinks and recent window (4 + 32): what plan-level byte predictions assume
-# when they are not given the plan itself (solver byte matrices, RoutingPlan.uniform, summary rows).
-DEFAULT_KEEP_FLOOR: int = _PLAN_DEFAULTS["sink_tokens"] + _PLAN_DEFAULTS["recent_tokens"]
+# when they are not given the plan itself (solver byte matrices).
+DEFAULT_KEEP_FLOOR: int = SINK_TOKENS + RECENT_TOKENS
+
+
+class PlanShape(Protocol):
+    """What the memory model reads of a plan (a :class:`~moend_fx.plan.routing.RoutingPlan` has it all).
+
+    A protocol rather than the class itself: the routing plan prices its own bytes here, so this module must
+    not import it back."""
+
+    @property
+    def layers(self) -> Sequence[LayerConfig]: ...
+    @property
+    def fingerprint(self) -> ModelFingerprint: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def sink_tokens(self) -> int: ...
+    @property
+    def recent_tokens(self) -> int: ...
 
 
 def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
@@ -53,7 +73,7 @@ def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
     return max(1, min(tokens, n))
 
 
-def keep_floor(plan: RoutingPlan) -> int:
+def keep_floor(plan: PlanShape) -> int:
     """The fewest tokens an evicting layer of ``plan`` keeps: its sinks plus its recent window."""
     return plan.sink_tokens + plan.recent_tokens
 
@@ -80,7 +100,7 @@ def layer_bytes_breakdown(
     kv_heads: int,
     head_dim: int,
     batch: int = 1,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     dtype_bytes: int = 4,
     kept: int | None = None,
     floor: int = 0,
@@ -112,7 +132,7 @@ def layer_bytes(config: LayerConfig, tokens: int, **kw: Any) -> int:
 
 
 def plan_layer_bytes(
-    config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = 32, batch: int = 1,
+    config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = GROUP_SIZE, batch: int = 1,
     floor: int = DEFAULT_KEEP_FLOOR,
 ) -> int:
     """Bytes a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens. ``floor``: the
@@ -123,7 +143,7 @@ def plan_layer_bytes(
     )
 
 
-def plan_bytes(plan: RoutingPlan, tokens: int | None = None, batch: int = 1) -> int:
+def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1) -> int:
     """Bytes of the whole plan at ``tokens`` (default: the plan's context length), as a MoENDCache measures
     them after a prompt of that length (the plan's own kept-token floor included)."""
     t = plan.context_length if tokens is None else tokens

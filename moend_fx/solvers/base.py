@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.checks import check_int
 from moend_fx.common.errors import BudgetError, MoendError
+from moend_fx.common.options import ScorerName
 from moend_fx.plan.memory import Budget, format_bytes, full_cache_bytes, parse_budget
 from moend_fx.plan.routing import Grid, RoutingPlan
 
@@ -143,8 +145,7 @@ class Solver:
                 raise MoendError(f"solver {self.name!r} has no option(s) {unknown}; allowed: {sorted(names)}")
             return dataclasses.replace(self, **kw).solve(table, budget, context_length=context_length,
                                                          batch=batch)
-        if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0:
-            raise MoendError(f"context_length={context_length!r} is invalid; allowed: a positive integer")
+        check_int("context_length", context_length)
         fp = table.fingerprint
         parsed = parse_budget(budget, fp, context_length, batch)
         S, B = check_arrays(table.S, table.bytes_matrix(context_length, batch))
@@ -167,7 +168,7 @@ class Solver:
             context_length=context_length,
             grid=table.grid,
             group_size=table.group_size,
-            scorer=str(table.calibration.get("scorer", "trig")),
+            scorer=str(table.calibration.get("scorer", ScorerName.TRIG)),
             solver=self.name,
             predicted_loss=loss,
             bytes_planned=plan_bytes_of(B, idx) if batch == 1 else plan_bytes_of(

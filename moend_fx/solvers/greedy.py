@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moend_fx.plan.routing import Grid
+from moend_fx.plan.grid import Grid
 from moend_fx.solvers.base import ArraySolution, Solver, min_feasible_bytes, raise_infeasible
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.plan.routing import Grid, ModelFingerprint
+from moend_fx.common.defaults import CALIBRATION_TOKENS, GROUP_SIZE
+from moend_fx.common.options import ScorerName
+from moend_fx.plan.fingerprint import ModelFingerprint
+from moend_fx.plan.grid import Grid
 
 # (median factor, max/min spread across layers) per component; medians put S in the range of a relative L2
 # error of an attention output (evict 90% ~0.1-0.5 on sensitive layers, K8 ~0.01, V4 ~0.1).
@@ -32,7 +35,7 @@ def synthetic_fingerprint(num_layers: int) -> ModelFingerprint:
 
 
 def synthetic_table(num_layers: int, grid: Grid | None = None, seed: int = 0,
-                    fingerprint: ModelFingerprint | None = None, context_length: int = 2048
+                    fingerprint: ModelFingerprint | None = None, context_length: int = CALIBRATION_TOKENS
                     ) -> SensitivityTable:
     """A random paper-shaped table: S [num_layers, len(grid)] float64, 0 for keep=1.0 / 16 / 16."""
     grid = grid or Grid()
@@ -49,6 +52,6 @@ def synthetic_table(num_layers: int, grid: Grid | None = None, seed: int = 0,
              2: np.maximum(f["v2"], 2 * np.maximum(f["v4"], 2 * f["v8"]))}
     cols = [f["evict"] * evict[c.keep_ratio] + k_err[c.k_bits] + v_err[c.v_bits] for c in grid.configs]
     S = np.stack(cols, axis=1).astype(np.float64)
-    return SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=32,
-                            calibration={"synthetic": True, "seed": seed, "scorer": "trig",
+    return SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=GROUP_SIZE,
+                            calibration={"synthetic": True, "seed": seed, "scorer": str(ScorerName.TRIG),
                                          "context_length": context_length})

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moend_fx.common.errors import PlanError
-from moend_fx.plan.routing import Grid
+from moend_fx.plan.grid import Grid
 from moend_fx.solvers.base import ArraySolution, Solver, plan_bytes_of, plan_loss, raise_infeasible
 from moend_fx.solvers.exact import exact_indices
 

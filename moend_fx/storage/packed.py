@@ -7,11 +7,14 @@ attention and the fused kernels read its fields, and ``nbytes()`` is what the me
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import QuantMode
 from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.quant import QuantizedTensor, dequantize, quantize
@@ -32,16 +35,26 @@ def _row_major_empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty_strided(tuple(x.shape), tuple(reversed(strides)))
 
 
-def _encode(x: torch.Tensor, bits: int, group_size: int, mode: str) -> Block:
+def _encode(x: torch.Tensor, bits: int, group_size: int, mode: QuantMode) -> Block:
+    """The block of x: [B, H, P, D] (P a multiple of group_size): x itself when ``bits`` is 16, else its codes."""
     if bits == 16:
         return _row_major_empty(x.contiguous())
-    q = quantize(x, bits, group_size, mode)
-    return replace(q, codes=_row_major_empty(q.codes), scale=_row_major_empty(q.scale),
-                   zero=_row_major_empty(q.zero))
+    return quantize(x, bits, group_size, mode).map(_row_major_empty)
 
 
 def _decode(block: Block, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, P, D] values of a block in ``dtype``."""
     return block.to(dtype) if isinstance(block, torch.Tensor) else dequantize(block, dtype)
+
+
+def _concat(a: Block, b: Block) -> Block:
+    """Block a followed by block b (same kind) along the token axis."""
+    return torch.cat([a, b], dim=2) if isinstance(a, torch.Tensor) else a.concat(b)
+
+
+def _map_block(block: Block, fn: Callable[[torch.Tensor], torch.Tensor]) -> Block:
+    """The block with ``fn`` applied to each tensor it stores."""
+    return fn(block) if isinstance(block, torch.Tensor) else block.map(fn)
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +91,7 @@ class PackedKV:
 
     @classmethod
     def from_dense(
-        cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = 32,
+        cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = GROUP_SIZE,
         positions: torch.Tensor | None = None,
     ) -> PackedKV:
         """Compress k, v: [B, H, n, D] (post-RoPE, already evicted). positions: [B, H, n] int."""
@@ -94,8 +107,8 @@ class PackedKV:
             pos = positions.to(torch.int32).contiguous()
         return cls(
             config, group_size,
-            _encode(k[:, :, :p], config.k_bits, group_size, "channel"),
-            _encode(v[:, :, :p], config.v_bits, group_size, "token"),
+            _encode(k[:, :, :p], config.k_bits, group_size, QuantMode.CHANNEL),
+            _encode(v[:, :, :p], config.v_bits, group_size, QuantMode.TOKEN),
             _fresh(k[:, :, p:]), _fresh(v[:, :, p:]), pos,
         )
 
@@ -152,8 +165,8 @@ class PackedKV:
         if flush == 0:
             return replace(self, k_res=_fresh(k_res), v_res=_fresh(v_res), positions=pos)
         # Existing packed groups are kept bit for bit; only the new full groups are quantized.
-        kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, "channel")
-        vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, "token")
+        kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, QuantMode.CHANNEL)
+        vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, QuantMode.TOKEN)
         return replace(
             self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
             k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, flush:]), positions=pos,
@@ -162,6 +175,10 @@ class PackedKV:
     def blocks(self) -> tuple[Block, Block]:
         """(k_packed, v_packed)."""
         return self.k_packed, self.v_packed
+
+    def residuals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_res, v_res): [B, H, R, D] each."""
+        return self.k_res, self.v_res
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer stores, each with the token axis at dim 2 (codes, scales and zeros of a
@@ -174,24 +191,20 @@ class PackedKV:
             out.append(self.positions)
         return out
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedKV:
+        """This layer with ``fn`` applied to every tensor it stores (a batch-axis or device operation: ``fn`` must
+        keep the token axis, whose length differs between tensors)."""
+        return replace(
+            self, k_packed=_map_block(self.k_packed, fn), v_packed=_map_block(self.v_packed, fn),
+            k_res=fn(self.k_res), v_res=fn(self.v_res),
+            positions=None if self.positions is None else fn(self.positions),
+        )
+
     def index_batch(self, index: torch.Tensor) -> PackedKV:
         """Batch rows ``index`` [B'] (beam search reorders, batch selection)."""
-        def rows(x: Block) -> Block:
-            return x.index_batch(index) if isinstance(x, QuantizedTensor) else x.index_select(0, index.to(x.device))
-
-        return replace(
-            self, k_packed=rows(self.k_packed), v_packed=rows(self.v_packed), k_res=rows(self.k_res),
-            v_res=rows(self.v_res), positions=None if self.positions is None else rows(self.positions),
-        )
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
 
     def nbytes(self) -> int:
         """Bytes of every tensor this layer stores (equals ``memory.layer_bytes`` for the same n)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-
-def _concat(a: Block, b: Block) -> Block:
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b], dim=2)
-    # Codes and scales both grow along the token axis (dim 2) in either mode.
-    return replace(a, codes=torch.cat([a.codes, b.codes], 2), scale=torch.cat([a.scale, b.scale], 2),
-                   zero=torch.cat([a.zero, b.zero], 2))

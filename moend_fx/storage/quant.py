@@ -15,15 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from moend_fx.common.checks import check_choice, check_power_of_two
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import QuantMode
 
 QUANT_BITS: tuple[int, ...] = (2, 4, 8)
-MODE_CHANNEL = 0  # K: groups run along tokens
-MODE_TOKEN = 1  # V: groups run along head_dim
-_MODES = {"channel": MODE_CHANNEL, "token": MODE_TOKEN}
+
+OP_MODE: dict[QuantMode, int] = {QuantMode.CHANNEL: 0, QuantMode.TOKEN: 1}
+"""The int each mode travels as in the ``moend::dequantize`` op (a custom op's schema has no enum type): the one
+mapping between the two spellings. A plain ``"channel"`` / ``"token"`` string looks up the same entry."""
 
 
 def check_quant_bits(bits: int) -> int:
@@ -83,7 +88,7 @@ class QuantizedTensor:
     zero: torch.Tensor
     bits: int
     group_size: int
-    mode: str
+    mode: QuantMode
     head_dim: int
 
     @property
@@ -103,6 +108,13 @@ class QuantizedTensor:
         """Batch rows ``index`` [B'] of this block."""
         return self.map(lambda t: t.index_select(0, index.to(t.device)))
 
+    def concat(self, other: QuantizedTensor) -> QuantizedTensor:
+        """This block followed by ``other`` (same bits, group size, mode and head_dim) along the token axis.
+
+        Codes and scales both grow along dim 2 in either mode; the groups of each block are kept bit for bit."""
+        return replace(self, codes=torch.cat([self.codes, other.codes], 2),
+                       scale=torch.cat([self.scale, other.scale], 2), zero=torch.cat([self.zero, other.zero], 2))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -110,10 +122,20 @@ class QuantizedTensor:
         return dequantize(self, dtype)
 
 
-def _group_view(x: torch.Tensor, group_size: int, mode: str) -> tuple[torch.Tensor, int]:
+def scale_shape(mode: QuantMode | str, batch: Any, heads: Any, tokens: Any, head_dim: int,
+                group_size: int) -> tuple[Any, ...]:
+    """Shape of the scales (and zeros) of a [batch, heads, tokens, head_dim] block quantized in ``mode``.
+
+    Sizes may be SymInts (the graph passes check example values with it); ``head_dim`` must be an int."""
+    if mode == QuantMode.CHANNEL:
+        return batch, heads, tokens // group_size, head_dim
+    return batch, heads, tokens, head_dim // min(group_size, head_dim)
+
+
+def _group_view(x: torch.Tensor, group_size: int, mode: QuantMode) -> tuple[torch.Tensor, int]:
     """Reshape x [B, H, N, D] so that each quantization group is the last axis."""
     b, h, n, d = x.shape
-    if mode == "channel":
+    if mode == QuantMode.CHANNEL:
         if n % group_size:
             raise MoendError(f"per-channel (K) quantization needs a multiple of group_size={group_size} "
                              f"tokens; got {n} (keep the rest in the residual window)")
@@ -125,7 +147,8 @@ def _group_view(x: torch.Tensor, group_size: int, mode: str) -> tuple[torch.Tens
     return x.reshape(b, h, n, d // g, g), g
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int = 32, mode: str = "channel") -> QuantizedTensor:
+def quantize(x: torch.Tensor, bits: int, group_size: int = GROUP_SIZE,
+             mode: QuantMode | str = QuantMode.CHANNEL) -> QuantizedTensor:
     """Asymmetric min/max quantization of x: [B, H, N, D] (float) to ``bits`` bits, packed.
 
     mode "channel" (for K) or "token" (for V); see the module docstring for the group layout.
@@ -133,12 +156,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int = 32, mode: str = "chan
     within half a step of the stored scale (plus fp16 rounding of the zero).
     """
     check_quant_bits(bits)
-    if mode not in _MODES:
-        raise MoendError(f"mode={mode!r} is unknown; allowed: {sorted(_MODES)}")
+    mode = check_choice("mode", mode, QuantMode, error=MoendError)
     if x.dim() != 4:
         raise MoendError(f"quantize expects [B, H, N, D]; got shape {tuple(x.shape)}")
-    if group_size <= 0 or group_size & (group_size - 1):
-        raise MoendError(f"group_size={group_size} is invalid; allowed: a power of two")
+    # A group size that changed between compiled calls arrives as a SymInt (automatic dynamic): no plain int to
+    # check, and checking it would add a guard. The first value it took was a plain int, checked here.
+    if not isinstance(group_size, torch.SymInt):
+        check_power_of_two("group_size", group_size, error=MoendError)
     b, h, n, d = x.shape
     xg, _ = _group_view(x.float(), group_size, mode)
     mn = xg.amin(dim=-1, keepdim=True)
@@ -153,15 +177,12 @@ def quantize(x: torch.Tensor, bits: int, group_size: int = 32, mode: str = "chan
     scale = scale16.float()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.clamp(torch.round((xg - zero16.float()) * inv), 0, qmax).to(torch.uint8)
-    if mode == "channel":
-        # back to [B, H, N, D] token-major so each token's row packs along head_dim
-        codes = codes.transpose(-1, -2).reshape(b, h, n, d)
-        scale16 = scale16.squeeze(-1)  # [B, H, N/G, D]
-        zero16 = zero16.squeeze(-1)
-    else:
-        codes = codes.reshape(b, h, n, d)
-        scale16 = scale16.squeeze(-1)  # [B, H, N, D/G]
-        zero16 = zero16.squeeze(-1)
+    if mode == QuantMode.CHANNEL:
+        # back to token-major so each token's row packs along head_dim
+        codes = codes.transpose(-1, -2)
+    codes = codes.reshape(b, h, n, d)
+    # scales, zeros: [B, H, N/G, D] (channel) or [B, H, N, D/G] (token), i.e. scale_shape(mode, ...)
+    scale16, zero16 = scale16.squeeze(-1), zero16.squeeze(-1)
     return QuantizedTensor(pack(codes, bits), scale16.contiguous(), zero16.contiguous(), bits, group_size,
                            mode, d)
 
@@ -170,10 +191,12 @@ def dequantize_reference(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, mode: int,
     head_dim: int, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """codes: [B, H, N, W] uint8, scale/zero as in :class:`QuantizedTensor` -> values [B, H, N, D] in dtype."""
+    """codes: [B, H, N, W] uint8, scale/zero as in :class:`QuantizedTensor` -> values [B, H, N, D] in dtype.
+
+    mode: the op's int for the group layout (:data:`OP_MODE`)."""
     c = unpack(codes, bits, head_dim).float()
     b, h, n, d = c.shape
-    if mode == MODE_CHANNEL:
+    if mode == OP_MODE[QuantMode.CHANNEL]:
         s = scale.float().repeat_interleave(group_size, dim=-2)[..., :n, :]
         z = zero.float().repeat_interleave(group_size, dim=-2)[..., :n, :]
     else:
@@ -198,5 +221,4 @@ def _(codes, scale, zero, bits, group_size, mode, head_dim, dtype):
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values [B, H, N, D] of a :class:`QuantizedTensor`, through the ``moend::dequantize`` op."""
-    return torch.ops.moend.dequantize(q.codes, q.scale, q.zero, q.bits, q.group_size, _MODES[q.mode],
-                                      q.head_dim, dtype)
+    return torch.ops.moend.dequantize(*q.tensors(), q.bits, q.group_size, OP_MODE[q.mode], q.head_dim, dtype)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from moend_fx.bench import decode as D
+from moend_fx.bench import decode_run
 from moend_fx.bench.report import KEYS, existing_blocks, render_results, write_section
 from moend_fx.common.errors import MoendError
-from moend_fx.models import tiny_preset
+from moend_fx.models import is_compiled, tiny_preset
 from moend_fx.plan.memory import full_cache_bytes
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 
@@ -66,14 +67,14 @@ def test_markdown_json_png_written(result, tmp_path):
 
 
 def test_failing_method_is_reported_not_raised(model, monkeypatch):
-    real_setup = D._setup
+    real_setup = decode_run.setup_model
 
     def setup(model, m, settings, table):
         if m.compile_backend == "moend":
             raise RuntimeError("backend exploded\nsecond line")
         return real_setup(model, m, settings, table)
 
-    monkeypatch.setattr(D, "_setup", setup)
+    monkeypatch.setattr(decode_run, "setup_model", setup)
     settings = D.DecodeBenchSettings(methods=("full_eager", "moend_compiled"), lengths=(64,), steps=1, warmup=0)
     res = D.bench_decode(model, settings, progress=False)
     bad = [r for r in res["rows"] if r["method"] == "moend_compiled"]
@@ -81,7 +82,7 @@ def test_failing_method_is_reported_not_raised(model, monkeypatch):
     assert bad[0]["reason"] == "setup failed: RuntimeError: backend exploded"
     assert "unavailable: setup failed" in D.markdown_table(res)
     assert model.config._attn_implementation == "sdpa"  # torn down: the model is as before
-    assert getattr(model, "_compiled_call_impl", None) is None
+    assert not is_compiled(model)
 
 
 def test_given_plan_is_used(model):
@@ -97,7 +98,7 @@ def test_given_plan_is_used(model):
 @pytest.mark.parametrize("kw, words", [
     (dict(methods=("full_eager", "nope")), ["'nope'", "full_inductor"]),
     (dict(methods=()), ["methods is empty"]),
-    (dict(lengths=(0,)), ["context length 0"]),
+    (dict(lengths=(0,)), ["context length=0"]),
     (dict(steps=0), ["steps=0"]),
     (dict(warmup=-1), ["warmup=-1"]),
     (dict(bandwidth_gbs=0), ["bandwidth_gbs=0"]),

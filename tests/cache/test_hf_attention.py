@@ -9,7 +9,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from moend_fx.attention.reference import attention_dense
 from moend_fx.cache.hf_attention import ATTN_NAME, moend_attention
 from moend_fx.cache.layer import EvictionPolicy, MoENDLayer
-from moend_fx.eviction.scoring import get_scorer
+from moend_fx.eviction.scorers import get_scorer
 from moend_fx.models import tiny_model
 from moend_fx.plan.routing import LayerConfig
 

@@ -15,7 +15,7 @@ from moend_fx.cache.layer import EvictionPolicy, MoENDLayer
 from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.common.errors import MoendError, PlanError
 from moend_fx.eviction.rope import rope_from_model
-from moend_fx.eviction.scoring import get_scorer
+from moend_fx.eviction.scorers import get_scorer
 from moend_fx.models import tiny_model
 from moend_fx.plan.memory import keep_count, keep_floor, layer_bytes, plan_bytes, plan_layer_bytes
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
@@ -287,7 +287,7 @@ def test_left_padded_batch_matches_each_row_alone(cfg, scorer):
         assert torch.equal(batched[i], alone[0]), f"row {i}"
 
 
-def test_beam_search_lossless_matches_dynamic_cache_and_lossy_runs():
+def test_beam_search_lossless_matches_dynamic_cache():
     model = _model()
     ids = _ids(1, 30)
     ref = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0,
@@ -296,12 +296,40 @@ def test_beam_search_lossless_matches_dynamic_cache_and_lossy_runs():
     got = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0,
                          cache=MoENDCache(_plan(model, LOSSLESS)))
     assert torch.equal(ref, got)
-    lossy = MoENDCache(_plan(model, LayerConfig(0.5, 4, 8)), rope=rope_from_model(model), evict_every=4)
-    out = model.generate(_ids(1, 80), max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0,
-                         cache=lossy)  # 80 tokens: 0.5 x 80 > the 36-token floor, so the prompt is evicted
-    assert out.shape == (1, 92)
-    assert lossy.layers[0].evictions >= 1
-    assert lossy.nbytes() == lossy.model_bytes()
+
+
+@torch.no_grad()
+def _teacher_forced_logprob(model, cache, prompt: torch.Tensor, tokens: torch.Tensor) -> float:
+    """Sum of log p(token) when ``tokens`` [n] follow ``prompt`` [1, T], fed one at a time through ``cache``."""
+    logits = model(prompt, cache=cache, use_cache=True).logits[:, -1]
+    total = 0.0
+    for i, tok in enumerate(tokens):
+        total += float(torch.log_softmax(logits.float(), dim=-1)[0, tok])
+        if i + 1 < len(tokens):
+            logits = model(tok.view(1, 1), cache=cache, use_cache=True).logits[:, -1]
+    return total
+
+
+def test_lossy_beam_search_reorders_every_cache_row_with_its_beam():
+    """Beam search keeps 3 rows and reorders them every step (``reorder_cache``); each row's packed K/V, positions,
+    query window and RoPE offset must follow its beam. Then every returned beam's score (length_penalty=0: the sum
+    of its tokens' log-probs) equals that of its tokens fed alone through a fresh cache of the same plan, whose
+    evictions (after the prompt, every 4 steps, trig scoring the query window) see only that beam's history."""
+    model = _moend(_model())
+    ids, n = _ids(1, 80), 12  # 80 tokens: 0.5 x 80 > the 36-token floor, so the prompt is evicted
+
+    def new_cache():
+        return MoENDCache(_plan(model, LayerConfig(0.5, 4, 8)), rope=rope_from_model(model), evict_every=4)
+
+    lossy = new_cache()
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, num_beams=3, num_return_sequences=3,
+                         length_penalty=0.0, do_sample=False, pad_token_id=0, cache=lossy,
+                         return_dict_in_generate=True, output_scores=True)
+    assert lossy.layers[0].evictions == 1 + (n - 1) // 4 and lossy.nbytes() == lossy.model_bytes()
+    beams = out.sequences[:, ids.shape[1]:]
+    assert beams.shape == (3, n) and len({tuple(b.tolist()) for b in beams}) == 3
+    for beam, score in zip(beams, out.sequences_scores.tolist()):
+        assert _teacher_forced_logprob(model, new_cache(), ids, beam) == pytest.approx(score, abs=1e-4)
 
 
 def test_attention_fn_is_the_one_swap_point():

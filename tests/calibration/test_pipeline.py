@@ -19,7 +19,7 @@ from moend_fx.calibration.pipeline import (
 )
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import QueryStats, rope_from_model
-from moend_fx.eviction.scoring import get_scorer
+from moend_fx.eviction.scorers import get_scorer
 from moend_fx.models import tiny_model
 from moend_fx.plan.memory import keep_count
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint
@@ -149,14 +149,50 @@ def test_table_records_scorer_options_and_stale_tables_are_named(table, tmp_path
         assert why is not None and "recalibrate" in why and "pooling" in why
 
 
-def test_table_matches_reference_path(model):
-    """One S entry recomputed with the cache's own pieces: PackedKV + reference_attention (no eviction)."""
-    ids, _ = random_token_sequences(256, 1, 150, seed=9)
+@pytest.mark.parametrize("name", ["trig", "snapkv", "h2o", "keynorm", "streaming"])
+def test_calibration_scores_with_the_scorer_the_cache_builds(model, name, monkeypatch):
+    """Calibration measures what the cache will do: each layer's scorer equals the one MoENDCache builds for that
+    layer (snapkv: the cache's query window, not calibration's longer error-measurement window), and the table
+    records that scorer's options."""
+    from moend_fx.cache.moend_cache import MoENDCache
+    from moend_fx.calibration import pipeline
+    from moend_fx.common.defaults import QUERY_WINDOW
+    from moend_fx.plan.routing import RoutingPlan
+
+    used = []
+
+    def spy(cap, grid, scorer, **kw):
+        used.append(scorer)
+        return layer_errors(cap, grid, scorer, **kw)
+
+    monkeypatch.setattr(pipeline, "layer_errors", spy)
+    t = calibrate(model, tokens=96, scorer=name, grid=Grid((0.5, 1.0), (16,), (16,)))
+    fp = ModelFingerprint.from_model(model)
+    plan = RoutingPlan(layers=(LayerConfig(0.5, 16, 16),) * fp.num_layers, fingerprint=fp, budget_bytes=1,
+                       context_length=96, scorer=name)
+    cache = MoENDCache(plan, rope=rope_from_model(model), query_stats=[t.layer_stats(i) for i in range(fp.num_layers)])
+    assert used == [layer.scorer for layer in cache.layers]
+    assert t.calibration["scorer_options"] == scorer_options(name)
+    if name == "snapkv":
+        assert t.calibration["window"] == 64 and {s.window for s in used} == {QUERY_WINDOW}
+        assert scorer_options(name)["window"] == QUERY_WINDOW
+    if name == "trig":
+        assert all(s.stats is not None for s in used)  # calibrated statistics, as the cache gets from the table
+
+
+def _captured(model, tokens: int, seed: int, window: int, layer: int):
+    """One layer's capture of a prefill of ``tokens`` random ids."""
+    ids, _ = random_token_sequences(256, 1, tokens, seed=seed)
     with torch.no_grad():
-        cap = AttentionCapture(model, window=24)
+        cap = AttentionCapture(model, window=window)
         with cap:
             model(input_ids=ids, use_cache=False)
-    c = cap.layers[1]
+    return cap.layers[layer]
+
+
+def test_table_matches_reference_path(model):
+    """One S entry recomputed with the cache's own pieces: PackedKV + reference_attention (no eviction)."""
+    c = _captured(model, 150, seed=9, window=24, layer=1)
     grid = Grid((1.0,), (16, 4), (16, 8))
     errs = layer_errors(c, grid, get_scorer("keynorm"))
     ref = attention_dense(c.queries, c.keys, c.values, scale=c.scaling)
@@ -170,14 +206,9 @@ def test_table_matches_reference_path(model):
 
 def test_eviction_entry_by_hand(model):
     """keep < 1: the kept tokens are selected as the cache selects them and queries see them by position."""
-    from moend_fx.eviction.scoring import evict
+    from moend_fx.eviction.selection import evict
 
-    ids, _ = random_token_sequences(256, 1, 128, seed=11)
-    with torch.no_grad():
-        cap = AttentionCapture(model, window=48)
-        with cap:
-            model(input_ids=ids, use_cache=False)
-    c = cap.layers[0]
+    c = _captured(model, 128, seed=11, window=48, layer=0)
     grid = Grid((0.25,), (16,), (16,))
     scorer = get_scorer("keynorm")
     (err,) = layer_errors(c, grid, scorer)

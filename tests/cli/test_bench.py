@@ -9,13 +9,13 @@ import pytest
 
 from moend_fx.bench.report import KEYS, existing_blocks
 from moend_fx.cli import main
-from tests.cli.test_generate import _save_tiny_folder
+from tests.models.helpers import save_tiny_folder
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_bench")
-    _save_tiny_folder(path)
+    save_tiny_folder(path, "llama-gqa3-hd64")
     return path
 
 

@@ -9,17 +9,11 @@ import pytest
 from moend_fx.cli import build_parser, main
 
 
-def _subcommands(parser):
-    for action in parser._actions:
-        if action.__class__.__name__ == "_SubParsersAction":
-            yield from action.choices.items()
-
-
 def _all_commands():
     out = []
-    for name, sub in _subcommands(build_parser()):
+    for name, sub in build_parser().subcommands().items():
         out.append([name])
-        out += [[name, inner] for inner, _ in _subcommands(sub)]
+        out += [[name, inner] for inner in sub.subcommands()]
     return out
 
 
@@ -67,6 +61,7 @@ def test_eval_refuses_a_stale_default_table(tmp_path, monkeypatch, capsys):
     import dataclasses
 
     from moend_fx.calibration.pipeline import calibrate
+    from moend_fx.calibration.tables import default_table_path
     from moend_fx.models import tiny_model
 
     model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -75,7 +70,7 @@ def test_eval_refuses_a_stale_default_table(tmp_path, monkeypatch, capsys):
     table = calibrate(model, tokens=64, num_sequences=1)
     table = dataclasses.replace(table, calibration={**table.calibration, "scorer_options": {"pooling": "none"}})
     monkeypatch.setenv("MOEND_CACHE", str(tmp_path / "cache"))
-    table.save(tmp_path / "cache" / "tables" / "tiny-llama-trig-2048.safetensors")
+    table.save(default_table_path(str(folder)))  # where `moend eval` looks by default
     assert main(["eval", "--model", str(folder), "--n", "1", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "scorer options" in err and "moend calibrate" in err and "Traceback" not in err

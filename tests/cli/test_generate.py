@@ -3,44 +3,31 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from moend_fx.calibration.pipeline import calibrate
+from moend_fx.calibration.tables import default_table_path
 from moend_fx.cli import main
 from moend_fx.models import tiny_preset
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+from tests.models.helpers import save_tiny_folder
 
+TINY = "llama-gqa3-hd64"  # SmolLM2's head layout in miniature
 PROMPT = " ".join(f"w{(7 * i) % 250 + 1}" for i in range(80))
-
-
-def _save_tiny_folder(path: Path, preset: str = "llama-gqa3-hd64") -> torch.nn.Module:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    model = tiny_preset(preset)
-    model.save_pretrained(str(path))
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 256)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
-    return model
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    _save_tiny_folder(path)
+    save_tiny_folder(path, TINY)
     return path
 
 
 @pytest.fixture(scope="module")
 def table_file(folder, tmp_path_factory):
-    model = tiny_preset("llama-gqa3-hd64")
+    model = tiny_preset(TINY)
     ids = torch.randint(1, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     path = tmp_path_factory.mktemp("table") / "tiny.safetensors"
     calibrate(model, token_ids=ids).save(path)
@@ -73,7 +60,7 @@ def test_generate_with_budget_and_table(folder, table_file, capsys):
 
 
 def test_generate_with_plan_file(folder, tmp_path, capsys):
-    fp = ModelFingerprint.from_model(tiny_preset("llama-gqa3-hd64"))
+    fp = ModelFingerprint.from_model(tiny_preset(TINY))
     plan_path = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), fp, 88).save(tmp_path / "plan.json")
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT)
@@ -90,7 +77,8 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
                           "--calib-tokens", "96", "--quiet", "--budget", "4x")
     assert code == 0, err
     assert "calibrating on 96 tokens" in err
-    saved = tmp_path / "cache" / "tables" / f"{folder.name.lower()}-trig-96.safetensors"
+    saved = default_table_path(str(folder), 96)
+    assert saved.parent == tmp_path / "cache" / "tables"
     assert saved.is_file() and "just calibrated" in out
     # second time the saved table is reused, no calibration
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",

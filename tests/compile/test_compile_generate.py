@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.compile.backend import compile_inner
 from moend_fx.compile.settings import BackendSettings
-from moend_fx.models import tiny_model
+from moend_fx.models import tiny_model, uncompile
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 
 PACKED_OP = "moend::packed_attention"
@@ -54,7 +54,7 @@ def _eager_then_compiled(model, plan, ids, n, inner="aot_eager", **prepare_kw):
         got, got_cache = _generate(model, ids, n)
     finally:
         torch._dynamo.reset()
-        model._compiled_call_impl = None
+        uncompile(model)
         unprepare(model)
     return want, want_cache, got, got_cache, backend.graphs
 
@@ -139,7 +139,7 @@ def test_left_padded_batch_and_beam_search_match_eager(num_beams):
         got = model.generate(ids, **gen)
     finally:
         torch._dynamo.reset()
-        model._compiled_call_impl = None
+        uncompile(model)
         unprepare(model)
     assert torch.equal(got, want)
     assert sum(counters["graph_break"].values()) == 0

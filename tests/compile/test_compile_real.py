@@ -6,21 +6,17 @@ Inner compiler: aot_eager (inductor gives the same tokens and graph count, measu
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
-
-TABLE = "tables/smollm2-135m-trig-2048.safetensors"
 
 
 def _table(model, tokenizer):
     from moend_fx.calibration.pipeline import calibrate
     from moend_fx.calibration.sensitivity import SensitivityTable
+    from moend_fx.calibration.tables import default_table_path
 
-    path = Path(os.environ.get("MOEND_CACHE", "~/.cache/moend")).expanduser() / TABLE
+    path = default_table_path()
     if path.is_file():
         return SensitivityTable.load(path)
     return calibrate(model, tokenizer, tokens=512)
@@ -30,7 +26,7 @@ def _table(model, tokenizer):
 def test_smollm2_14x_compiled_generate_equals_eager():
     from moend_fx.cache.generation import prepare, unprepare
     from moend_fx.compile.backend import moend_backend
-    from moend_fx.models import load_model
+    from moend_fx.models import load_model, uncompile
     from moend_fx.solvers import get_solver
 
     model, tokenizer = load_model("smollm2-135m")
@@ -55,7 +51,7 @@ def test_smollm2_14x_compiled_generate_equals_eager():
         got = model.generate(ids, **gen)
     finally:
         torch._dynamo.reset()
-        model._compiled_call_impl = None
+        uncompile(model)
         unprepare(model)
     assert torch.equal(got.sequences, want.sequences)
     assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0

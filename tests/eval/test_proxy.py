@@ -61,10 +61,35 @@ def test_kl_grows_with_compression(seq):
     assert s.kl((LayerConfig(1.0, 4, 4),) * 3) > 0
 
 
-def test_compression_of_one_layer_changes_only_later_layers(model, seq):
-    """Compressing the last layer cannot change layers before it: KL comes only from that layer's attention."""
+def _layer_outputs(model, s, plan):
+    """Each decoder layer's output hidden states [1, M, hidden] over the continuation under ``plan``."""
+    outs = []
+
+    def keep(module, args, output):
+        outs.append((output[0] if isinstance(output, tuple) else output).detach().clone())
+
+    hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
+    try:
+        s.log_probs(plan)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_compression_of_one_layer_changes_only_later_layers(model, seq, layer):
+    """Compressing layer ``layer`` leaves every earlier layer's output bit-identical (the continuation's
+    queries there attend to the same K/V); that layer and the ones after it change, and so does the KL."""
     s, _ = seq
-    plan = (LayerConfig(1.0, 16, 16),) * 2 + (LayerConfig(0.25, 4, 4),)
+    lossless = (LayerConfig(1.0, 16, 16),) * 3
+    plan = tuple(LayerConfig(0.25, 4, 4) if i == layer else c for i, c in enumerate(lossless))
+    ref, got = _layer_outputs(model, s, lossless), _layer_outputs(model, s, plan)
+    assert len(ref) == len(got) == 3
+    for i in range(layer):
+        assert torch.equal(got[i], ref[i]), f"layer {i} (before the compressed layer {layer}) changed"
+    for i in range(layer, 3):
+        assert not torch.equal(got[i], ref[i]), f"layer {i} (from the compressed layer {layer} on) did not change"
     assert s.kl(plan) > 0
 
 

@@ -54,7 +54,7 @@ def test_format_ci():
 
 
 def test_bad_input_raises():
-    with pytest.raises(MoendError, match="n 0"):
+    with pytest.raises(MoendError, match="n=0"):
         wilson_interval(0, 0)
     with pytest.raises(MoendError, match="allowed: 0..3"):
         wilson_interval(4, 3)

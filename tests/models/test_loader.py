@@ -16,6 +16,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.models import TINY_FAMILIES, TINY_PRESETS, load_model, tiny_model, tiny_preset
 from moend_fx.models import loader as models
 from moend_fx.plan.routing import ModelFingerprint
+from tests.models.helpers import save_tiny_folder
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -114,25 +115,8 @@ def test_tiny_preset_unknown():
 # ---------------------------------------------------------------------------------------------- load_model
 
 
-def _save_tiny_folder(path: Path) -> torch.nn.Module:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    # Llama, not Qwen2: transformers 5's AutoTokenizer swaps a generic tokenizer for Qwen2Tokenizer when the
-    # config says qwen2, which would not read this word-level vocabulary.
-    model = tiny_preset("llama-gqa-hd16")
-    model.save_pretrained(str(path))
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 256)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
-    return model
-
-
 def test_load_local_folder(tmp_path):
-    ref = _save_tiny_folder(tmp_path)
+    ref = save_tiny_folder(tmp_path)
     model, tok = load_model(str(tmp_path), attn_implementation="eager")
     assert not model.training and model.config._attn_implementation == "eager"
     ids = tok("w1 w2 w3 w255", return_tensors="pt").input_ids

@@ -56,9 +56,6 @@ def test_one_packed_op_per_quantized_layer(tokens, dtype):
 
 
 def test_matches_reference_attention_with_gqa_and_batch():
-    def fn(q, layers):
-        return [F.scaled_dot_product_attention(q, *layers[0], scale=0.2, enable_gqa=True)]
-
     cache = make_cache(CONFIGS["two"], batch=2, tokens=75)
     q = rand(2, 4, 1, 8, seed=5)
 
@@ -81,7 +78,8 @@ def test_padding_mask_is_not_fused():
     cache = make_cache(CONFIGS["two"])
     gm, _, out = fused_graph(model, rand(1, 2, HIDDEN), cache, mask)
     assert PACKED not in targets(gm) and targets(gm).count(SDPA) == 2
-    assert all("attn_mask" in r for r in skip_reasons(gm))
+    reasons = skip_reasons(gm)
+    assert len(reasons) == 2 and all(r.startswith("attn_mask is not the bottom-right causal mask") for r in reasons)
     torch.testing.assert_close(out, model(rand(1, 2, HIDDEN), cache, mask), atol=1e-6, rtol=1e-6)
 
 
@@ -112,16 +110,17 @@ def test_patterns_the_kernel_cannot_express_are_not_fused(kw, reason):
 
 def test_cat_along_another_axis_is_not_fused():
     layer = make_cache(CONFIGS["two"])[0]
-    q = rand(1, 4, 2, 8)
+    q = rand(1, 4, 2, 16)  # head_dim 16: the packed part's 8 channels, then 8 more from the cat
 
     def fn(q, k_codes, k_scale, k_zero, k_res):
         deq = torch.ops.moend.dequantize(k_codes, k_scale, k_zero, 8, 32, 0, 8, torch.float32)
-        k = torch.cat([deq, k_res.expand(1, 2, 64, 8)], dim=3)[..., :8]
+        k = torch.cat([deq, k_res.expand(1, 2, 64, 8)], dim=3)  # [1, 2, 64, 16]: channels, not tokens, grow
         return F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
 
     gm, _, _ = fused_graph(fn, q, layer.k_packed.codes, layer.k_packed.scale, layer.k_packed.zero,
                            layer.k_res[:, :, :1])
-    assert PACKED not in targets(gm) and skip_reasons(gm)
+    assert PACKED not in targets(gm) and SDPA in targets(gm)
+    assert skip_reasons(gm) == ["K is concatenated along dim 3, not the token axis 2"]
 
 
 def test_fuse_false_and_reference_kernel():
@@ -153,5 +152,7 @@ def test_running_the_passes_twice_changes_nothing():
 def test_pass_alone_needs_find_attention_tags():
     # Without find_attention's tags the pass has nothing to fuse: the order in PASSES matters.
     gm, _, _ = capture(ToyDecoder(2), rand(1, 1, HIDDEN), make_cache(CONFIGS["two"]))
+    # The captured graph holds the fusable pattern: two SDPA nodes reading packed K/V through dequantize.
+    assert targets(gm).count(SDPA) == 2 and sum(is_dequantize(n) for n in gm.graph.nodes) == 4
     fuse_quantized_attention(gm, settings())
-    assert PACKED not in targets(gm)
+    assert PACKED not in targets(gm) and targets(gm).count(SDPA) == 2

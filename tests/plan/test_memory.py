@@ -78,6 +78,18 @@ def test_plan_byte_predictions_use_the_plans_floor():
     assert plan_bytes(other, 40) == 30 * layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=10, **kw)
 
 
+def test_uniform_prices_its_bytes_with_its_own_floor():
+    # At 40 tokens the floor binds (keep 0.1 -> 4 tokens): 2 sinks + 8 recent keep 10 (all in the full-precision
+    # residual window), the default floor 36 (32 of them packed).
+    c = LayerConfig(0.1, 4, 4)
+    default = RoutingPlan.uniform(c, SMOL, 40)
+    other = RoutingPlan.uniform(c, SMOL, 40, sink_tokens=2, recent_tokens=8)
+    assert default.budget_bytes == default.bytes_planned == plan_bytes(default)
+    assert other.budget_bytes == other.bytes_planned == plan_bytes(other) != default.budget_bytes
+    kw = dict(kv_heads=3, head_dim=64, dtype_bytes=4)
+    assert plan_bytes(other) == 30 * layer_bytes(c, 0, kept=10, **kw)
+
+
 def test_lossless_layer_is_plain_cache_size():
     b = layer_bytes(LayerConfig(1.0, 16, 16), 2048, kv_heads=3, head_dim=64, dtype_bytes=4)
     assert b == full_cache_bytes(SMOL, 2048, dtype=None) // 30

@@ -37,6 +37,66 @@ def test_save_load_atomic(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["plan.json"]  # no temp file left behind
 
 
+@pytest.mark.parametrize("fail_at", ["write", "fsync", "replace"])
+def test_failed_save_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkeypatch, fail_at):
+    """A save that fails mid-write (the write, the flush to disk, or the rename) leaves the previous plan file
+    byte-identical and no temp file beside it; the error reaches the caller."""
+    import moend_fx.common.io as io_mod
+
+    old = make_plan([LayerConfig(1.0, 16, 16)] * 3)
+    path = old.save(tmp_path / "plan.json")
+    before = path.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError(f"disk full during {fail_at}")
+
+    if fail_at == "write":
+        real_fdopen = io_mod.os.fdopen
+
+        class HalfWriter:
+            """Writes half the bytes, then fails: a temp file with partial content exists at that point."""
+
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                self.f.write(data[: len(data) // 2])
+                self.f.flush()
+                boom()
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        monkeypatch.setattr(io_mod.os, "fdopen", lambda fd, mode: HalfWriter(real_fdopen(fd, mode)))
+    else:
+        monkeypatch.setattr(io_mod.os, fail_at, boom)
+    new = make_plan([LayerConfig(0.5, 4, 8)] * 3)
+    with pytest.raises(OSError, match=f"during {fail_at}"):
+        new.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and RoutingPlan.load(path) == old
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_failed_text_write_creates_no_file(tmp_path, monkeypatch):
+    """With no previous file, a failed ``atomic_write_text`` leaves nothing at all in the folder."""
+    import moend_fx.common.io as io_mod
+
+    def no_rename(*args):
+        raise OSError("no rename")
+
+    monkeypatch.setattr(io_mod.os, "replace", no_rename)
+    with pytest.raises(OSError, match="no rename"):
+        io_mod.atomic_write_text(tmp_path / "out.txt", "hello")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("kw,msg", [
     ({"keep_ratio": 0.0, "k_bits": 4, "v_bits": 4}, r"outside the allowed range \(0, 1\]"),
     ({"keep_ratio": 1.5, "k_bits": 4, "v_bits": 4}, "outside the allowed range"),
@@ -107,6 +167,16 @@ def test_bad_grid():
     with pytest.raises(PlanError, match=r"grid.v_bits\[0\]=7"):
         Grid(v_bits=(7,))
     assert len(Grid(k_bits=(16, 8, 4, 2), v_bits=(16, 8, 4, 2))) == 96  # 2-bit extension
+
+
+def test_bit_widths_are_held_as_ints_and_scorers_as_names():
+    from moend_fx.common.options import ScorerName
+
+    c = LayerConfig(0.5, 4.0, 8)  # a JSON writer may give 4.0: the config holds the int
+    assert type(c.k_bits) is int and c == LayerConfig(0.5, 4, 8)
+    plan = make_plan([LayerConfig(1.0, 16, 16)] * 3, scorer=ScorerName.SNAPKV)
+    assert type(plan.scorer) is str and plan.scorer == "snapkv"
+    assert RoutingPlan.from_json(plan.to_json()) == plan
 
 
 def test_bad_plan_fields():

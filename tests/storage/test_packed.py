@@ -108,6 +108,16 @@ def test_index_batch_and_tensors():
     assert len(layer.tensors()) == 3 + 3 + 2 + 1  # K codes/scale/zero, V codes/scale/zero, residuals, positions
 
 
+def test_map_reaches_every_stored_tensor():
+    # A raw (16-bit) K side, packed V codes, residuals and positions: map must reach each, in tensors()' order.
+    pos = torch.arange(70).expand(2, 2, 70)
+    layer = PackedKV.from_dense(rand(2, 2, 70, 16), rand(2, 2, 70, 16, seed=1), LayerConfig(0.5, 16, 8), 32, pos)
+    doubled = layer.map(lambda t: torch.cat([t, t], dim=0))
+    assert [t.shape[0] for t in doubled.tensors()] == [4] * len(layer.tensors()) == [4] * 7
+    assert all(torch.equal(a, torch.cat([b, b])) for a, b in zip(doubled.tensors(), layer.tensors()))
+    assert doubled.residuals() == (doubled.k_res, doubled.v_res) and doubled.blocks()[0] is doubled.k_packed
+
+
 def test_bad_inputs():
     k = rand(1, 2, 8, 16)
     with pytest.raises(MoendError, match="positions"):

@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moend_fx.common.errors import MoendError
-from moend_fx.storage.quant import dequantize, pack, packed_width, quantize, unpack
+from moend_fx.common.options import QuantMode
+from moend_fx.storage.quant import dequantize, pack, packed_width, quantize, scale_shape, unpack
 
 BITS = st.sampled_from([2, 4, 8])
 
@@ -106,3 +107,24 @@ def test_non_finite_rejected():
     x[0, 0, 3, 2] = float("inf")
     with pytest.raises(MoendError, match="finite"):
         quantize(x, 8)
+
+
+@pytest.mark.parametrize("mode", [QuantMode.CHANNEL, QuantMode.TOKEN])
+def test_mode_enum_or_string_and_scale_shape(mode):
+    x = torch.randn(2, 3, 64, 16)
+    q = quantize(x, 4, 32, mode)
+    same = quantize(x, 4, 32, str(mode))  # the plain string users pass
+    assert q.mode is mode and same.mode is mode and all(torch.equal(a, b) for a, b in zip(q.tensors(), same.tensors()))
+    assert q.scale.shape == q.zero.shape == scale_shape(mode, 2, 3, 64, 16, 32)
+    with pytest.raises(MoendError, match="mode='row' is unknown; allowed: channel, token"):
+        quantize(x, 4, 32, "row")
+
+
+@pytest.mark.parametrize("mode", ["channel", "token"])
+def test_concat_keeps_each_blocks_groups(mode):
+    # Groups never span the two halves (64 tokens = 2 groups of 32), so quantizing at once gives the same bits.
+    x = torch.randn(1, 2, 64, 16)
+    both = quantize(x[:, :, :32], 8, 32, mode).concat(quantize(x[:, :, 32:], 8, 32, mode))
+    once = quantize(x, 8, 32, mode)
+    assert all(torch.equal(a, b) for a, b in zip(both.tensors(), once.tensors()))
+    assert both.num_tokens == 64

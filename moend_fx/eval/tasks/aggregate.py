@@ -7,8 +7,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from moend_fx.common.errors import MoendError
-from moend_fx.eval.tasks.base import Example, Pool, check_haystack, fill_haystack, fit_length, tokens_per_item
-from moend_fx.eval.tasks.text import WORDS, distinct_words, pseudo_word, random_number
+from moend_fx.eval.tasks.base import (
+    Example,
+    Pool,
+    check_counts,
+    check_digits,
+    fill_haystack,
+    fit_length,
+    tokens_per_item,
+)
+from moend_fx.eval.tasks.text import WORDS, check_haystack, distinct_words, pseudo_word, random_number
 
 
 def _var_name(rng: random.Random, avoid: set[str]) -> str:
@@ -36,12 +44,10 @@ class VariableTrackingTask:
 
     def __post_init__(self) -> None:
         check_haystack(self.haystack)
-        if self.num_chains < 1 or self.num_hops < 1:
-            raise MoendError(f"num_chains {self.num_chains} and num_hops {self.num_hops} must be >= 1")
+        check_counts(num_chains=self.num_chains, num_hops=self.num_hops)
         if not 0.0 <= self.spread <= 1.0:
             raise MoendError(f"spread {self.spread} out of range; allowed: [0, 1]")
-        if not 1 <= self.digits <= 12:
-            raise MoendError(f"variable_tracking digits {self.digits} out of range; allowed: 1..12")
+        check_digits("variable_tracking", self.digits)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         names: set[str] = set()
@@ -95,8 +101,7 @@ class CommonWordsTask:
     freq_uncommon: int = 2
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.freq_uncommon < 1:
-            raise MoendError(f"top_k {self.top_k} and freq_uncommon {self.freq_uncommon} must be >= 1")
+        check_counts(top_k=self.top_k, freq_uncommon=self.freq_uncommon)
         if self.freq_common <= self.freq_uncommon:
             raise MoendError(
                 f"freq_common {self.freq_common} must exceed freq_uncommon {self.freq_uncommon}")

@@ -23,10 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.errors import MoendError
-from moend_fx.eval.tasks.text import HAYSTACKS, count_tokens, haystack_kind, haystack_sentences
+from moend_fx.common.options import Setting
+from moend_fx.eval.tasks.text import count_tokens, haystack_kind, haystack_sentences
 
-SETTINGS = ("query_aware", "query_agnostic")
+SETTINGS: tuple[str, ...] = tuple(str(s) for s in Setting)  # the names, for CLI defaults and help texts
+MAX_DIGITS = 12  # the longest number a task hides (digit runs are what a "number" answer is read from)
 MATCH_KINDS = ("number", "variable", "word")
 
 
@@ -50,8 +53,7 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.match not in MATCH_KINDS:
-            raise MoendError(f"match {self.match!r} is unknown; allowed: {', '.join(MATCH_KINDS)}")
+        check_choice("match", self.match, MATCH_KINDS)
         if not self.answers:
             raise MoendError(f"example of task {self.task!r} has no answers")
 
@@ -70,18 +72,25 @@ class Example:
 
     def prefill_text(self, setting: str) -> str:
         """The text prefilled (and then compressed) under `setting`."""
-        _check_setting(setting)
-        return self._head + self._query if setting == "query_aware" else self._head
+        setting = check_choice("setting", setting, Setting)
+        return self._head + self._query if setting == Setting.QUERY_AWARE else self._head
 
     def suffix_text(self, setting: str) -> str:
         """The text fed after compression under `setting`, before greedy decoding starts."""
-        _check_setting(setting)
-        return self.answer_prefix if setting == "query_aware" else self._query + self.answer_prefix
+        setting = check_choice("setting", setting, Setting)
+        return self.answer_prefix if setting == Setting.QUERY_AWARE else self._query + self.answer_prefix
 
 
-def _check_setting(setting: str) -> None:
-    if setting not in SETTINGS:
-        raise MoendError(f"setting {setting!r} is unknown; allowed: {', '.join(SETTINGS)}")
+def check_counts(**counts: int) -> None:
+    """:class:`MoendError` unless every keyword (a task's count parameter) is a positive int."""
+    for name, value in counts.items():
+        check_int(name, value)
+
+
+def check_digits(task: str, digits: int) -> None:
+    """:class:`MoendError` unless ``digits`` (the length of the numbers ``task`` hides) is in 1..MAX_DIGITS."""
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
+        raise MoendError(f"{task} digits {digits!r} out of range; allowed: 1..{MAX_DIGITS}")
 
 
 _PATTERNS = {
@@ -198,11 +207,6 @@ def measure_depths(tokenizer: Any, example: Example, offsets: Sequence[int]) -> 
 def tokens_per_item(tokenizer: Any, items: Sequence[str]) -> float:
     """Mean tokens per item when the items are joined with spaces (for `fit_length`'s hint)."""
     return max(count_tokens(tokenizer, " ".join(items)) / max(len(items), 1), 1e-3)
-
-
-def check_haystack(haystack: str) -> None:
-    if haystack not in HAYSTACKS:
-        raise MoendError(f"haystack {haystack!r} is unknown; allowed: {', '.join(HAYSTACKS)}")
 
 
 def fill_haystack(tokenizer: Any, length: int, rng: random.Random, haystack: str, needles, make) -> Example:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.tasks.aggregate import CommonWordsTask, VariableTrackingTask
 from moend_fx.eval.tasks.base import SETTINGS, Example, candidates, score
@@ -58,10 +59,8 @@ def make_examples(
 ) -> list[Example]:
     """`n` examples of `task` (a name in TASKS or a task config), each at most `length` tokens."""
     cfg = get_task(task)
-    if n < 1:
-        raise MoendError(f"n {n} must be >= 1")
-    if length < 1:
-        raise MoendError(f"length {length} must be >= 1")
+    check_int("n", n)
+    check_int("length", length)
     out = []
     for i, d in enumerate(depths_for(n, depth)):
         rng = random.Random(f"{cfg.name}|{seed}|{i}")  # str seeds hash with sha512: stable across runs

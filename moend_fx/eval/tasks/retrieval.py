@@ -11,9 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moend_fx.common.errors import MoendError
-from moend_fx.eval.tasks.base import Example, check_haystack, fill_haystack
-from moend_fx.eval.tasks.text import key_phrase, random_number
+from moend_fx.eval.tasks.base import Example, check_counts, check_digits, fill_haystack
+from moend_fx.eval.tasks.text import check_haystack, key_phrase, random_number
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,7 @@ class PasskeyTask:
 
     def __post_init__(self) -> None:
         check_haystack(self.haystack)
-        if not 1 <= self.digits <= 12:
-            raise MoendError(f"passkey digits {self.digits} out of range; allowed: 1..12")
+        check_digits("passkey", self.digits)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         key = random_number(rng, self.digits, set())
@@ -71,10 +69,8 @@ class NiahTask:
 
     def __post_init__(self) -> None:
         check_haystack(self.haystack)
-        if self.num_keys < 1 or self.num_values < 1:
-            raise MoendError(f"num_keys {self.num_keys} and num_values {self.num_values} must be >= 1")
-        if not 1 <= self.digits <= 12:
-            raise MoendError(f"niah digits {self.digits} out of range; allowed: 1..12")
+        check_counts(num_keys=self.num_keys, num_values=self.num_values)
+        check_digits("niah", self.digits)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         keys: list[str] = []

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from moend_fx.common.checks import check_choice
 from moend_fx.common.errors import MoendError
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
@@ -127,6 +128,11 @@ def _license_sentences() -> list[str]:
     return out
 
 
+def check_haystack(haystack: str) -> None:
+    """:class:`MoendError` unless ``haystack`` is one of :data:`HAYSTACKS`."""
+    check_choice("haystack", haystack, HAYSTACKS, error=MoendError)
+
+
 def haystack_sentences(rng: random.Random, kind: str = "sentences"):
     """Endless iterator of haystack sentences.
 
@@ -134,8 +140,7 @@ def haystack_sentences(rng: random.Random, kind: str = "sentences"):
     start, falling back to "sentences" when /usr/share/common-licenses is absent: the fallback is
     silent but callers record the kind actually used via `haystack_kind`), "repeat" (classic filler).
     """
-    if kind not in HAYSTACKS:
-        raise MoendError(f"haystack {kind!r} is unknown; allowed: {', '.join(HAYSTACKS)}")
+    check_haystack(kind)
     if haystack_kind(kind) == "licenses":
         sents = _license_sentences()
         i = rng.randrange(len(sents))

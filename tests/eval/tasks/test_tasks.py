@@ -212,7 +212,7 @@ def test_bad_input_raises():
         make_examples("passkey", TOK, 20, n=1)
     with pytest.raises(MoendError, match="depth"):
         make_examples("passkey", TOK, 500, n=1, depth=1.5)
-    with pytest.raises(MoendError, match="n 0"):
+    with pytest.raises(MoendError, match="n=0"):
         make_examples("passkey", TOK, 500, n=0)
     ex = make_examples("passkey", TOK, 300, n=1)[0]
     with pytest.raises(MoendError, match="query_aware, query_agnostic"):

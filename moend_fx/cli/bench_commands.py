@@ -1,0 +1,214 @@
+"""The handlers of ``moend bench``: each runs one benchmark of :mod:`moend_fx.bench.suite`, stores its section
+and updates ``docs/results.md`` (arguments: :mod:`moend_fx.cli.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from moend_fx.bench.report import KEYS, render_results, write_section
+from moend_fx.calibration.tables import default_table_path
+from moend_fx.cli.args import csv_list, int_list
+from moend_fx.common.errors import MoendError
+
+# `moend bench all`: extra arguments per benchmark (modest defaults), and with --quick.
+ALL_ARGS: dict[str, list[str]] = {
+    "solvers": ["--trials", "200,2000"],
+    "calibrate": [],
+    "kernels": ["--lengths", "2048,8192,32768", "--runs", "20"],
+    "decode": [],
+    "eval": [],
+    "proxy": [],
+}
+QUICK_ARGS: dict[str, list[str]] = {
+    "solvers": ["--repeats", "5"],
+    "calibrate": ["--tokens", "512"],
+    "kernels": ["--lengths", "2048,8192", "--runs", "5"],
+    "decode": ["--lengths", "512,1024", "--steps", "4", "--warmup", "1", "--methods", "full_eager,moend_eager"],
+    "eval": ["--n", "2", "--lengths", "1024"],
+    "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
+}
+# --doc and --no-progress change where results are published and what is printed, not the figures.
+_NOT_IN_COMMAND = ("help", "doc", "no_progress")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """``moend bench KEY --opt value ...`` for the options that differ from their defaults (and --out), in the
+    order they were declared (``args.declared_options``: the actions the benchmark's parser added)."""
+    words = ["moend", "bench", args.bench]
+    for action in args.declared_options:
+        if not action.option_strings or action.dest in _NOT_IN_COMMAND:
+            continue
+        value = getattr(args, action.dest, None)
+        if action.dest != "out" and value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # a flag (store_true): present or not
+            if value:
+                words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _threads(args: argparse.Namespace) -> None:
+    import torch
+
+    from moend_fx.bench.decode import all_cores
+
+    torch.set_num_threads(args.threads or all_cores())
+
+
+def _publish(args: argparse.Namespace, key: str, markdown: str, files: dict[str, Any]) -> int:
+    """Print a benchmark's Markdown, store its section and (outside ``bench all``) re-render the document."""
+    print(markdown)
+    out = Path(args.out)
+    write_section(out, key, command_line(args), markdown, files)
+    for kind, path in files.items():
+        print(f"{kind}: {path}")
+    doc = _doc_path(args)
+    if doc is not None and not args.in_all:
+        print(f"updated {render_results(out, doc)}")
+    return 0
+
+
+def _doc_path(args: argparse.Namespace) -> Path | None:
+    if args.doc == "":
+        return None
+    doc = Path(args.doc)
+    if not doc.parent.is_dir():  # not run from a checkout: nothing to update
+        print(f"note: {doc.parent}/ does not exist here; {doc} not updated", file=sys.stderr)
+        return None
+    return doc
+
+
+def _cached_table(args: argparse.Namespace) -> str:
+    """``--table``, else the model's cached table (whether or not it exists: the benchmark says so)."""
+    return args.table or str(default_table_path(args.model))
+
+
+def _uniform(text: str) -> Any:
+    from moend_fx.plan.config import LayerConfig
+
+    parts = csv_list(text)
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        return LayerConfig(float(parts[0]), int(parts[1]), int(parts[2]))
+    except ValueError:  # a PlanError is a ValueError too: one message for every malformed --uniform
+        raise MoendError(f"--uniform={text!r} is invalid; allowed: KEEP,KBITS,VBITS (e.g. 0.25,4,4)") from None
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from moend_fx.bench.decode import DecodeBenchSettings, parse_methods
+    from moend_fx.bench.suite import bench_decode_section
+
+    _threads(args)
+    uniform = _uniform(args.uniform)
+    settings = DecodeBenchSettings(lengths=int_list(args.lengths, "--lengths"), steps=args.steps,
+                                   warmup=args.warmup, methods=parse_methods(args.methods), budget=args.budget,
+                                   uniform=uniform, bandwidth_gbs=args.bandwidth, seed=args.seed,
+                                   kernel=args.kernel, inner=args.inner)
+    table = args.table
+    if table is None and args.plan is None:
+        cached = default_table_path(args.model)
+        if cached.is_file():  # the greedy plan on the calibrated table, as published
+            table = str(cached)
+        else:
+            print(f"moend bench decode: no table at {cached}: the MoENDCache rows use the uniform plan "
+                  f"{args.uniform} (run `moend calibrate` for the solver's plan)", file=sys.stderr)
+    md, files, _ = bench_decode_section(args.model, settings, table_path=table, plan_path=args.plan,
+                                        out=Path(args.out) / "decode", progress=not args.no_progress)
+    return _publish(args, "decode", md, files)
+
+
+def cmd_solvers(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_solvers_section
+
+    table = args.table
+    if table is None:
+        cached = default_table_path(args.model)
+        table = str(cached) if cached.is_file() else "synthetic:30"
+    trials = int_list(args.trials, "--trials", example="200,2000") if args.trials else ()
+    md, files = bench_solvers_section(table, csv_list(args.budgets), trials=trials, repeats=args.repeats,
+                                      context_length=args.context_length, out=Path(args.out) / "solvers")
+    return _publish(args, "solvers", md, files)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_calibrate_section
+
+    _threads(args)
+    md, files = bench_calibrate_section(args.model, tokens=args.tokens, sequences=args.sequences,
+                                        out=Path(args.out) / "calibrate", progress=not args.no_progress)
+    return _publish(args, "calibrate", md, files)
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_kernels_section
+
+    _threads(args)
+    md, files = bench_kernels_section(int_list(args.lengths, "--lengths"), runs=args.runs,
+                                      out=Path(args.out) / "kernels")
+    return _publish(args, "kernels", md, files)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_eval_section
+    from moend_fx.eval.config import EvalConfig
+
+    _threads(args)
+    cfg = EvalConfig(tasks=tuple(csv_list(args.tasks)), lengths=int_list(args.lengths, "--lengths"), n=args.n,
+                     budgets=tuple(csv_list(args.budgets)), methods=tuple(csv_list(args.methods)),
+                     settings=tuple(csv_list(args.settings)), max_new_tokens=args.max_new_tokens)
+    md, files = bench_eval_section(args.model, _cached_table(args), cfg, out=Path(args.out) / "eval",
+                                   progress=not args.no_progress)
+    return _publish(args, "eval", md, files)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_proxy_section
+    from moend_fx.eval.proxy import ProxySettings
+
+    _threads(args)
+    settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, random_plans=args.plans)
+    md, files = bench_proxy_section(args.model, _cached_table(args), settings, out=Path(args.out) / "proxy",
+                                    progress=not args.no_progress)
+    return _publish(args, "proxy", md, files)
+
+
+def cmd_all(args: argparse.Namespace) -> int:
+    from moend_fx.cli import build_parser
+
+    only = csv_list(args.only) if args.only else list(KEYS)
+    skip = set(csv_list(args.skip)) if args.skip else set()
+    bad = [k for k in [*only, *skip] if k not in KEYS]
+    if bad:
+        raise MoendError(f"benchmark {bad[0]!r} is unknown; allowed: {', '.join(KEYS)}")
+    parser = build_parser()
+    failed: list[str] = []
+    for key in [k for k in KEYS if k in only and k not in skip]:
+        argv = ["bench", key, "--out", args.out, "--doc", args.doc, *(QUICK_ARGS if args.quick else ALL_ARGS)[key]]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        if args.no_progress:
+            argv.append("--no-progress")
+        sub = parser.parse_args(argv)
+        sub.in_all = True  # the document is rendered once, after every benchmark
+        print(f"== {command_line(sub)}", flush=True)
+        try:
+            sub.func(sub)
+        except MoendError as e:  # one benchmark's problem must not lose the others' results
+            print(f"moend bench {key}: error: {e}", file=sys.stderr)
+            failed.append(key)
+    doc = _doc_path(args)
+    if doc is not None:
+        print(f"updated {render_results(args.out, doc)}")
+    if failed:
+        print(f"moend: error: benchmark(s) failed: {', '.join(failed)} (the others' results were written)",
+              file=sys.stderr)
+        return 2
+    return 0

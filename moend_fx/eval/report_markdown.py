@@ -1,0 +1,146 @@
+"""The evaluation report in Markdown: one table per (setting, length), the headline comparison, continuation KL."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from moend_fx.eval.summary import AVG, budget_key, mean_or_none
+from moend_fx.plan.memory import format_bytes
+
+
+def _pct(row: dict[str, Any]) -> str:
+    if row["mean"] is None:
+        return "infeasible" if row["infeasible"] else "-"
+    return f"{100 * row['mean']:.1f} [{100 * row['low']:.0f}, {100 * row['high']:.0f}]"
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row["method"] if row["budget"] is None else f"{row['method']} @ {row['budget']}"
+
+
+def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
+    """One table per (setting, length): rows = method @ budget, columns = tasks + avg + measured memory."""
+    out = []
+    by: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[(r["setting"], r["target_length"])].append(r)
+    for (setting, length), rs in sorted(by.items()):
+        tasks = sorted({r["task"] for r in rs if r["task"] != AVG})
+        ns = sorted({r["n"] for r in rs if r["task"] != AVG and r["mean"] is not None})
+        ctx = mean_or_none([r["context_tokens"] for r in rs])
+        out.append(f"### {setting}, {length} tokens (context ~{ctx:.0f} tokens compressed; n per task = "
+                   f"{'/'.join(map(str, ns))}; accuracy % [Wilson 95% CI])\n")
+        cols = [*tasks, "avg"] if len(tasks) > 1 else tasks
+        out.append("| method @ budget | " + " | ".join(cols) +
+                   " | measured cache | x vs 16-bit | x vs model dtype |")
+        out.append("|---|" + "---:|" * (len(cols) + 3))
+        labels: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in rs:
+            labels.setdefault(_label(r), {})[r["task"]] = r
+        for label, cells in labels.items():
+            avg = cells.get(AVG) or next(iter(cells.values()))
+            mem = (f"{format_bytes(avg['measured_bytes'])}" if avg["measured_bytes"] is not None else "-")
+            r16 = f"{avg['ratio16']:.2f}" if avg["ratio16"] is not None else "-"
+            rm = f"{avg['ratio_model']:.2f}" if avg["ratio_model"] is not None else "-"
+            vals = [_pct(cells[c if c != "avg" else AVG]) if (c if c != "avg" else AVG) in cells else "-"
+                    for c in cols]
+            out.append(f"| {label} | " + " | ".join(vals) + f" | {mem} | {r16} | {rm} |")
+        shared = sorted({f"{_label(r)} = {s}" for r in rs if r["task"] == AVG for s in r["shared"]})
+        if shared:
+            out.append("\nPlans that coincided in at least one example (one decode there, reported under both "
+                       "names): " + "; ".join(shared) + ".")
+        out.append("")
+    return "\n".join(out)
+
+
+BASELINES = ("1d", "2d_uniform", "2d", "pyramid")
+
+
+def headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero") -> list[dict[str, Any]]:
+    """Per (setting, length, budget): ``method``'s task-averaged accuracy vs the full cache and vs the best of
+    the uniform baselines at the same budget (the issue's acceptance test), with measured bytes."""
+    avg = {(r["setting"], r["target_length"], r["method"], r["budget"]): r for r in rows if r["task"] == AVG}
+    out = []
+    for (setting, length, m, budget), r in sorted(avg.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                               budget_key(kv[0][3]))):
+        if m != method or r["mean"] is None:
+            continue
+        full = avg.get((setting, length, "full", None))
+        base = [avg[(setting, length, b, budget)] for b in BASELINES if (setting, length, b, budget) in avg]
+        feasible = [b for b in base if b["mean"] is not None]
+        best = max(feasible, key=lambda b: b["mean"]) if feasible else None
+        out.append(dict(
+            setting=setting, target_length=length, budget=budget, method=method, mean=r["mean"],
+            measured_bytes=r["measured_bytes"], ratio16=r["ratio16"],
+            full=full["mean"] if full else None,
+            vs_full=(r["mean"] - full["mean"]) if full else None,
+            best_baseline=best["method"] if best else None, best_baseline_mean=best["mean"] if best else None,
+            best_baseline_bytes=best["measured_bytes"] if best else None,
+            vs_best=(r["mean"] - best["mean"]) if best else None,
+            infeasible_baselines=[b["method"] for b in base if b["mean"] is None],
+        ))
+    return out
+
+
+def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero") -> str:
+    hs = headline(rows, method)
+    if not hs:
+        return ""
+    lines = [f"### {method} vs the full cache and the best uniform baseline at the same budget (task average)\n",
+             "| setting | length | budget | " + method + " | measured | full | delta vs full | best baseline | "
+             "its measured | delta vs best |", "|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+
+    def pts(x):
+        return "-" if x is None else f"{100 * x:+.1f}"
+
+    for h in hs:
+        full = "-" if h["full"] is None else f"{100 * h['full']:.1f}"
+        best = (f"{h['best_baseline']} {100 * h['best_baseline_mean']:.1f}" if h["best_baseline"] else "none feasible")
+        if h["infeasible_baselines"]:
+            best += f" ({', '.join(h['infeasible_baselines'])} infeasible)"
+        lines.append(
+            f"| {h['setting']} | {h['target_length']} | {h['budget']} | {100 * h['mean']:.1f} | "
+            f"{format_bytes(h['measured_bytes'])} ({h['ratio16']:.1f}x) | "
+            f"{full} | "
+            f"{pts(h['vs_full'])} | {best} | "
+            f"{'-' if h['best_baseline_bytes'] is None else format_bytes(h['best_baseline_bytes'])} | "
+            f"{pts(h['vs_best'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
+    meta = meta or {}
+    head = ["# Evaluation results", ""]
+    cfg = meta.get("config", {})
+    if cfg:
+        head.append(f"Tasks {', '.join(cfg.get('tasks', []))}; lengths {cfg.get('lengths')}; n = {cfg.get('n')} per "
+                    f"task and length; seed {cfg.get('seed')}; greedy decoding, strict string match.")
+    head += [
+        "Budgets are ratios of a **16-bit** cache of the example's compressed tokens (design.md); memory is the "
+        "*measured* bytes of the cache after prefill + compression (packed codes, scales/zeros, positions, "
+        "residual window). `x vs model dtype` is against the model's own (fp32) cache, labelled separately.",
+        "",
+    ]
+    skipped = meta.get("skipped_methods") or {}
+    for name, why in skipped.items():
+        head.append(f"- Not run: `{name}`: {why}.")
+    if skipped:
+        head.append("")
+    return "\n".join(head) + "\n" + markdown_headline(rows) + "\n" + markdown_tables(rows)
+
+
+def markdown_continuation(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    out = ["### Teacher-forced continuation on held-out text (mean over sequences)\n",
+           "| context | method @ budget | n | KL from full, nats/token | loss (full) | measured | x vs 16-bit |",
+           "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["kl"] is None:
+            out.append(f"| {r['context_length']} | {_label(r)} | 0 | infeasible | - | - | - |")
+            continue
+        out.append(f"| {r['context_length']} | {_label(r)} | {r['n']} | {r['kl']:.4f} | {r['loss']:.3f} "
+                   f"({r['loss_full']:.3f}) | {format_bytes(r['measured_bytes'])} | {r['ratio16']:.2f} |")
+    return "\n".join(out) + "\n"

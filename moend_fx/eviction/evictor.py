@@ -1,0 +1,245 @@
+"""What a compressed cache layer evicts: :class:`Evictor`, the one object a
+:class:`moend_fx.cache.layer.MoENDLayer` evicts through (its policy, its scorer, the scorer's query window and
+the rows' RoPE offsets).
+
+Eviction is plain eager code (Python loops over rows, ``.tolist()``, data-dependent sizes): it never runs
+inside a compiled decode step. The layer calls :meth:`Evictor.evict` after a prompt (or a chunk) and
+:meth:`Evictor.decode_step` after a decode step's attention; when that attention ran inside a ``torch.compile``
+graph it calls :meth:`Evictor.defer` instead, and the step is counted and evicted by :meth:`Evictor.finish_deferred`
+from :meth:`MoENDCache.before_step` before the next step (see ``docs/cache.md``). Both orders give the same cache:
+nothing reads or writes it between the end of one step and the next update.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from moend_fx.common.errors import MoendError
+from moend_fx.common.options import BudgetMode
+from moend_fx.eviction.policy import EvictionPolicy
+from moend_fx.eviction.query_window import QueryWindow
+from moend_fx.eviction.scorers.base import Scorer
+from moend_fx.eviction.selection import select_tokens
+from moend_fx.plan.routing import LayerConfig
+from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.tokens import gather_tokens
+
+
+class DenseKV(NamedTuple):
+    """A prompt not yet compressed: keys, values [B, Hkv, n, D] post-RoPE, positions [B, Hkv, n] int (their
+    logical slots; None for a layer that never evicts)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor | None
+
+
+class RealTokens(NamedTuple):
+    """Which held tokens of each row are real (not padding), from the step's mask.
+
+    valid: [B, Hkv, n] bool (None = all real); last: [B, S] bool, the mask row of the newest query, which sees
+    every real token (None = no mask); seen, held: [B] real tokens seen so far and held."""
+
+    valid: torch.Tensor | None
+    last: torch.Tensor | None
+    seen: torch.Tensor
+    held: torch.Tensor
+
+    @classmethod
+    def of(cls, pos: torch.Tensor, lmask: torch.Tensor | None, logical: int) -> RealTokens:
+        """pos: [B, Hkv, n] int64 slots of the held tokens; lmask: bool [B, 1, L, S] or None; logical: S."""
+        b, hkv, n = pos.shape
+        valid = last = None
+        if lmask is not None:
+            last = lmask[:, 0, -1, :]
+            seen = last.sum(-1)
+            valid = last.gather(1, pos.reshape(b, -1)).reshape(b, hkv, n)
+            if bool(valid.all()):
+                valid = None
+        else:
+            seen = torch.full((b,), logical, dtype=torch.long)
+        held = torch.full((b,), n, dtype=torch.long) if valid is None else valid[:, 0].sum(-1)
+        return cls(valid, last, seen, held)
+
+
+def _top_up(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, fill: int, pad_slot: int,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v: [1, Hkv, m, D], pos: [1, Hkv, m] plus ``fill`` zero tokens at slot ``pad_slot`` (a padding slot of
+    this row, so the gathered mask hides them), in position order: [1, Hkv, m + fill(, D)]."""
+    hkv = k.shape[1]
+    k = torch.cat([k.new_zeros(1, hkv, fill, k.shape[-1]), k], dim=2)
+    v = torch.cat([v.new_zeros(1, hkv, fill, v.shape[-1]), v], dim=2)
+    pos = torch.cat([pos.new_full((1, hkv, fill), pad_slot), pos], dim=2)
+    order = pos.argsort(dim=2, stable=True)
+    return gather_tokens(k, order), gather_tokens(v, order), gather_tokens(pos, order)
+
+
+class Evictor:
+    """Evicts one layer's tokens: ``policy`` says when and how far, ``scorer`` which tokens (None for a layer
+    that keeps every token). Holds the scorer's :class:`QueryWindow` and ``rope_offset`` [B] (slot - RoPE
+    position per row: nonzero under left padding), which :meth:`observe` keeps up to date, and counts the decode
+    steps (``decode_steps``) the policy paces re-evictions by."""
+
+    def __init__(self, config: LayerConfig, group_size: int, policy: EvictionPolicy, scorer: Scorer | None, *,
+                 layer_idx: int) -> None:
+        if config.evicts and scorer is None:
+            raise MoendError(f"layer {layer_idx} ({config.name}) evicts tokens, so it needs a scorer")
+        self.config = config
+        self.group_size = group_size
+        self.policy = policy
+        self.scorer = scorer
+        self.layer_idx = layer_idx
+        self.clear()
+
+    def clear(self) -> None:
+        self.window = QueryWindow(self.policy.window)
+        self.rope_offset: torch.Tensor | None = None
+        self.evictions = 0
+        self.decode_steps = 0
+        # A decode step that ran inside a compiled graph left its count and eviction to finish_deferred:
+        # (True, the step's bool mask [B, 1, 1, S] or None), else (False, None).
+        self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether the scorer reads queries (then :meth:`observe` keeps a window of them)."""
+        return self.scorer is not None and self.scorer.needs_queries
+
+    # ------------------------------------------------------------------ state the scorer reads
+    def observe(self, q: torch.Tensor, logical: int, position_ids: torch.Tensor | None) -> None:
+        """After attention of the newest queries q: [B, H, L, D] (the layer now holds ``logical`` slots): record
+        each row's RoPE offset from position_ids [B, L'] (None: unchanged, zeros at first) and, when the
+        scorer reads queries, push q to the window."""
+        b, _, n_q, _ = q.shape
+        slots = torch.arange(logical - n_q, logical, device=q.device)
+        if position_ids is not None:
+            pid = position_ids.to(q.device).long().expand(b, -1)[:, -n_q:]
+            self.rope_offset = slots[-1] - pid[:, -1]
+        elif self.rope_offset is None:
+            self.rope_offset = torch.zeros(b, dtype=torch.long, device=q.device)
+        if self.needs_queries:
+            self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
+
+    def unpadded(self, batch: int, device: torch.device) -> None:
+        """A prompt loaded without its queries: rows are unpadded, so every slot is its RoPE position."""
+        self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` [B'] of the window and the offsets."""
+        self.window.index_batch(index)
+        if self.rope_offset is not None:
+            self.rope_offset = self.rope_offset.index_select(0, index.to(self.rope_offset.device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Scratch tensors with a token axis at dim 2 (the query window)."""
+        return self.window.tensors()
+
+    def nbytes(self) -> int:
+        """Bytes of the query window (working memory, not K/V storage)."""
+        return self.window.nbytes()
+
+    # ------------------------------------------------------------------ eviction
+    def decode_step(self, packed: PackedKV, lmask: torch.Tensor | None, logical: int) -> PackedKV:
+        """Count one decode step, then :meth:`evict` (the policy's cadence decides whether it is due)."""
+        self.decode_steps += 1
+        return self.evict(packed, lmask, chunk=False, logical=logical)
+
+    def defer(self, lmask: torch.Tensor | None) -> None:
+        """A decode step inside a compiled graph: counting and evicting read Python ints and data-dependent sizes,
+        so they wait for :meth:`finish_deferred`, outside the graph (no guard on the step count)."""
+        self._deferred = (True, lmask)
+
+    @property
+    def deferred(self) -> bool:
+        return self._deferred[0]
+
+    @torch.compiler.disable
+    def finish_deferred(self, packed: PackedKV, logical: int) -> PackedKV:
+        """The deferred step's :meth:`decode_step`, with its mask."""
+        _, lmask = self._deferred
+        self._deferred = (False, None)
+        return self.decode_step(packed, lmask, logical)
+
+    def evict(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, *, chunk: bool, logical: int) -> PackedKV:
+        """The layer's storage after evicting when the policy says so: ``kv`` itself (a PackedKV) when nothing is
+        due; a DenseKV is always compressed (evicted or not), so a prompt is quantized once, from exact K/V.
+
+        lmask: the step's bool mask [B, 1, L, S=logical] or None; chunk: after a prompt or a prefill chunk (else
+        after decode step ``decode_steps``)."""
+        dense = isinstance(kv, DenseKV)
+        n = kv.keys.shape[2] if dense else kv.num_tokens
+        if not self.config.evicts:
+            self._check_keeps_all(n)
+            return self._pack(kv) if dense else kv
+        pos = kv.positions.long()
+        real = RealTokens.of(pos, lmask, logical)
+        targets = self.policy.targets(n, real.seen, real.held, keep_ratio=self.config.keep_ratio,
+                                      decode_steps=self.decode_steps, chunk=chunk)
+        if targets is None:
+            return self._pack(kv) if dense else kv
+        k, v = (kv.keys, kv.values) if dense else kv.dequantize()
+        rope_pos = (pos - self.rope_offset.to(pos.device)[:, None, None]).clamp_min(0)
+        if real.valid is None and bool((targets == targets[0]).all()):
+            idx = self._select(k, v, pos, rope_pos, int(targets[0]))
+            k, v, pos = gather_tokens(k, idx), gather_tokens(v, idx), gather_tokens(pos, idx)
+        else:
+            k, v, pos = self._evict_rows(k, v, pos, rope_pos, real, targets)
+        self.evictions += 1
+        return PackedKV.from_dense(k, v, self.config, self.group_size, pos)
+
+    def _pack(self, kv: DenseKV) -> PackedKV:
+        return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions)
+
+    def _check_keeps_all(self, n: int) -> None:
+        """A layer that keeps every token cannot go over a capacity: it has no positions to evict with."""
+        cap = self.policy.cap
+        if self.policy.budget_mode == BudgetMode.CAPACITY and cap is not None and n > cap:
+            raise MoendError(
+                f"layer {self.layer_idx} ({self.config.name}) keeps every token and now holds {n} > "
+                f"its capacity {cap} (the plan's context_length): it cannot evict without positions, which "
+                "the plan did not budget. Use budget_mode='ratio', or a plan with a larger context_length"
+            )
+
+    def _select(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor, n_keep: int,
+                row: int | None = None, q_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices [b, Hkv, n_keep] of the tokens to keep among k, v: [b, Hkv, n, D] (b = 1 when ``row``);
+        pos, rope_pos: [b, Hkv, n] slots and RoPE positions. q_keep: [W] bool, which window queries of ``row``
+        are real tokens (None = all)."""
+        q, qpos = self.window.select(row, q_keep)
+        scores = self.scorer.score(k, v, queries=q, key_positions=rope_pos, query_positions=qpos)
+        idx, _ = select_tokens(scores, n_keep, sink_tokens=self.policy.sink_tokens,
+                               recent_tokens=self.policy.recent_tokens, key_positions=pos)
+        return idx
+
+    def _evict_rows(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
+                    real: RealTokens, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Evict row by row over each row's real tokens only, so a padded row keeps exactly what it would keep
+        alone; rows short of the common length ``max(targets)`` are topped up with masked filler tokens.
+        k, v: [B, Hkv, n, D]; pos, rope_pos: [B, Hkv, n]; targets: [B]. Returns k, v, pos with max(targets)."""
+        n = int(targets.max())
+        rows = [self._evict_row(k, v, pos, rope_pos, real, r, int(targets[r]), n) for r in range(k.shape[0])]
+        ks, vs, ps = zip(*rows)
+        return torch.cat(ks), torch.cat(vs), torch.cat(ps)
+
+    def _evict_row(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
+                   real: RealTokens, r: int, target: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row ``r`` of :meth:`_evict_rows`: [1, Hkv, n(, D)]."""
+        if real.valid is None:
+            keep = torch.arange(k.shape[2], device=k.device)
+        else:
+            keep = real.valid[r, 0].nonzero().squeeze(-1)  # pads sit at the same slots in every KV head
+        q_keep = None
+        if self.window.slots is not None and real.last is not None:
+            q_keep = real.last[r].gather(0, self.window.slots.to(real.last.device))
+        pads = (~real.last[r]).nonzero() if real.last is not None else None
+        n_r = target if pads is not None and len(pads) else n
+        one = slice(r, r + 1)
+        idx = self._select(k[one, :, keep], v[one, :, keep], pos[one, :, keep], rope_pos[one, :, keep], n_r, r,
+                           q_keep)
+        idx = keep[idx]  # [1, Hkv, n_r] into the held tokens
+        kr, vr, pr = gather_tokens(k[one], idx), gather_tokens(v[one], idx), gather_tokens(pos[one], idx)
+        if n_r < n:
+            kr, vr, pr = _top_up(kr, vr, pr, n - n_r, int(pads[0]))
+        return kr, vr, pr
