@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moend_fx.common.checks import check_choice, check_int
+from moend_fx.common.checks import check_choice, check_int, check_names
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import InnerCompiler, Kernel
 from moend_fx.plan.config import LayerConfig
@@ -36,15 +36,10 @@ class DecodeBenchSettings:
     inner: InnerCompiler = InnerCompiler.INDUCTOR
 
     def __post_init__(self) -> None:
-        for name in ("lengths", "methods"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-            if not getattr(self, name):
-                raise MoendError(f"{name} is empty; give at least one")
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
-        if len(set(self.methods)) != len(self.methods):
-            raise MoendError(f"methods {list(self.methods)} repeat a name; give each once")
+        object.__setattr__(self, "methods", check_names("methods", "method", self.methods, METHODS, unique=True))
+        object.__setattr__(self, "lengths", tuple(self.lengths))
+        if not self.lengths:
+            raise MoendError("lengths is empty; give at least one")
         for n in self.lengths:
             check_int("context length", n, minimum=2)
         check_int("steps", self.steps)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moend_fx.common.checks import check_int
+from moend_fx.common.defaults import CALIBRATION_WINDOW
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 
@@ -124,7 +125,7 @@ class AttentionCapture:
 
     Use::
 
-        cap = AttentionCapture(model, window=64, rope=rope_from_model(model), stats=stats)
+        cap = AttentionCapture(model, window=CALIBRATION_WINDOW, rope=rope_from_model(model), stats=stats)
         with cap:
             model(input_ids=ids, use_cache=False)
         layer0 = cap.layers[0]
@@ -134,7 +135,7 @@ class AttentionCapture:
     The attention output is SDPA's, so the forward pass matches the model's ``sdpa`` implementation.
     """
 
-    def __init__(self, model: Any, *, window: int = 64, rope: RopeSpec | None = None,
+    def __init__(self, model: Any, *, window: int = CALIBRATION_WINDOW, rope: RopeSpec | None = None,
                  stats: dict[int, QueryStats] | None = None, keep_kv: bool = True) -> None:
         check_int("window", window)
         if stats is not None and rope is None:

@@ -30,7 +30,7 @@ from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
 from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
-from moend_fx.common.defaults import CALIBRATION_TOKENS, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
+from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import ScorerName
 from moend_fx.eviction.rope import QueryStats, rope_from_model
@@ -56,7 +56,7 @@ class CalibrationSettings:
     num_sequences: int = 1
     seed: int = 0
     scorer: ScorerName = ScorerName.TRIG
-    window: int = 64
+    window: int = CALIBRATION_WINDOW
     group_size: int = GROUP_SIZE
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS

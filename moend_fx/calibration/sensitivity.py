@@ -26,7 +26,7 @@ import numpy as np
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError, PlanError, TableError
-from moend_fx.common.io import atomic_write_bytes
+from moend_fx.common.io import atomic_write_bytes, read_existing
 from moend_fx.plan.memory import plan_layer_bytes
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 
@@ -214,15 +214,14 @@ class SensitivityTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> SensitivityTable:
         """Read and validate a table; every problem is a :class:`TableError`."""
-        p = Path(path)
-        if not p.is_file():
-            raise TableError(f"sensitivity table {str(p)!r} does not exist; create one with `moend calibrate`")
+        data = read_existing(path, "sensitivity table", TableError, "create one with `moend calibrate`")
+        where = f"table {str(Path(path))!r}"
         try:
-            return cls.from_bytes(p.read_bytes(), where=f"table {str(p)!r}")
+            return cls.from_bytes(data, where=where)
         except TableError:
             raise
         except MoendError as e:  # a field that parses but is out of range
-            raise TableError(f"table {str(p)!r}: {e}") from None
+            raise TableError(f"{where}: {e}") from None
 
 
 def _digest(tensors: dict[str, np.ndarray], meta_json: str) -> str:

@@ -42,3 +42,18 @@ def check_choice(name: str, value: Any, allowed: Any, *, error: type[MoendError]
     if str(value) not in names or not isinstance(value, str):
         raise error(f"{name}={value!r} is unknown; allowed: {', '.join(names)}")
     return allowed(value) if isinstance(allowed, type) else value
+
+
+def check_names(field: str, what: str, values: Any, allowed: Any, *, error: type[MoendError] = MoendError,
+                unique: bool = False) -> tuple[str, ...]:
+    """``values`` as a non-empty tuple whose every entry is in ``allowed`` (a registry or a StrEnum class), else
+    ``error``; ``field`` names the argument, ``what`` one entry (e.g. "method"). ``unique``: no name twice."""
+    values = tuple(values)
+    if not values:
+        raise error(f"{field} is empty; give at least one")
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise error(f"{what} {bad[0]!r} is unknown; allowed: {', '.join(map(str, allowed))}")
+    if unique and len(set(values)) != len(values):
+        raise error(f"{field} {list(values)} repeat a name; give each once")
+    return values

@@ -27,3 +27,6 @@ CALIBRATION_TOKENS = 2048
 
 DEFAULT_MODEL = "smollm2-135m"
 """The embedded real model the demo, the evaluation and the slow tests run."""
+
+CALIBRATION_WINDOW = 64
+"""Last queries of a calibration sequence whose attention-output error S[layer, config] measures."""

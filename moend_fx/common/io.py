@@ -32,6 +32,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def read_existing(path: str | os.PathLike, what: str, error: type[Exception], hint: str = "") -> bytes:
+    """The bytes of file ``path``, or ``error`` naming ``what`` it should be (e.g. "plan file") and ``hint``."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {str(p)!r} does not exist" + (f"; {hint}" if hint else ""))
+    return p.read_bytes()
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 

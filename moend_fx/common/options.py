@@ -1,5 +1,7 @@
 """Closed option sets as ``StrEnum`` (a member compares equal to its name, so JSON, argparse and keyword
-arguments keep taking plain strings). Open sets (solvers, scorers, tasks) are registries, not enums."""
+arguments keep taking plain strings). Open sets (solvers, scorers, tasks) are registries, not enums.
+
+Each set is one :func:`option_set` call: ``Kernel.CPU == "cpu"``, ``list(Kernel)`` in declaration order."""
 
 from __future__ import annotations
 
@@ -15,58 +17,29 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value)
 
 
-class ScorerName(StrEnum):
-    """Eviction scorers a plan may name (``moend_fx.eviction.scorers`` registers one class per name)."""
-
-    TRIG = "trig"
-    SNAPKV = "snapkv"
-    KEYNORM = "keynorm"
-    STREAMING = "streaming"
-    H2O = "h2o"
+def option_set(name: str, doc: str, *values: str, module: str = __name__) -> type[StrEnum]:
+    """A StrEnum ``name`` whose members are ``values`` (member names upper-cased), documented by ``doc``."""
+    cls = StrEnum(name, [(v.upper(), v) for v in values], module=module)
+    cls.__doc__ = doc
+    return cls
 
 
-class BudgetMode(StrEnum):
-    """How a cache layer bounds what it holds: ``ratio`` of the tokens seen, or a fixed token ``capacity``."""
-
-    RATIO = "ratio"
-    CAPACITY = "capacity"
-
-
-class QuantMode(StrEnum):
-    """Which axis a quantization group runs along: ``channel`` (K: groups of tokens per channel) or ``token``
-    (V: groups of channels per token)."""
-
-    CHANNEL = "channel"
-    TOKEN = "token"
-
-
-class Pooling(StrEnum):
-    """How a scorer smooths per-token scores over neighbouring stored tokens."""
-
-    MAX = "max"
-    AVG = "avg"
-    NONE = "none"
-
-
-class Kernel(StrEnum):
-    """Which implementation runs the fused packed attention op."""
-
-    AUTO = "auto"
-    CPU = "cpu"
-    TRITON = "triton"
-    REFERENCE = "reference"
-
-
-class InnerCompiler(StrEnum):
-    """The compiler the ``moend`` backend hands the rewritten graph to."""
-
-    INDUCTOR = "inductor"
-    AOT_EAGER = "aot_eager"
-    EAGER = "eager"
-
-
-class Setting(StrEnum):
-    """When compression happens relative to the question (see docs/evaluation.md)."""
-
-    QUERY_AWARE = "query_aware"
-    QUERY_AGNOSTIC = "query_agnostic"
+ScorerName = option_set(
+    "ScorerName", "Eviction scorers a plan may name (``moend_fx.eviction.scorers`` registers one class per name).",
+    "trig", "snapkv", "keynorm", "streaming", "h2o")
+BudgetMode = option_set(
+    "BudgetMode", "How a cache layer bounds what it holds: ``ratio`` of the tokens seen, or a fixed token "
+    "``capacity``.", "ratio", "capacity")
+QuantMode = option_set(
+    "QuantMode", "Which axis a quantization group runs along: ``channel`` (K: groups of tokens per channel) or "
+    "``token`` (V: groups of channels per token).", "channel", "token")
+Pooling = option_set(
+    "Pooling", "How a scorer smooths per-token scores over neighbouring stored tokens.", "max", "avg", "none")
+Kernel = option_set(
+    "Kernel", "Which implementation runs the fused packed attention op.", "auto", "cpu", "triton", "reference")
+InnerCompiler = option_set(
+    "InnerCompiler", "The compiler the ``moend`` backend hands the rewritten graph to.",
+    "inductor", "aot_eager", "eager")
+Setting = option_set(
+    "Setting", "When compression happens relative to the question (see docs/evaluation.md).",
+    "query_aware", "query_agnostic")

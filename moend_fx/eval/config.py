@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moend_fx.common.checks import check_choice, check_int
+from moend_fx.common.checks import check_choice, check_int, check_names
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import Setting
@@ -40,17 +40,13 @@ class EvalConfig:
     calibrated_stats: bool = True  # trig: the table's query statistics (False: estimate from the query window)
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "lengths", "budgets", "methods", "settings"):
+        for name in ("lengths", "budgets", "settings"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             if not getattr(self, name):
                 raise MoendError(f"{name} is empty; give at least one")
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad:
-            raise MoendError(f"task {bad[0]!r} is unknown; allowed: {', '.join(TASKS)}")
+        object.__setattr__(self, "tasks", check_names("tasks", "task", self.tasks, TASKS))
         object.__setattr__(self, "settings", tuple(check_choice("setting", s, Setting) for s in self.settings))
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
+        object.__setattr__(self, "methods", check_names("methods", "method", self.methods, METHODS))
         for name in ("n", "max_new_tokens", "tokens_per_answer", "window", "evict_every"):
             check_int(name, getattr(self, name))
         if self.scorer is not None and self.scorer not in SCORERS:

@@ -10,18 +10,8 @@ import torch
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.defaults import QUERY_WINDOW
 from moend_fx.common.errors import MoendError
+from moend_fx.eval import methods as mth
 from moend_fx.eval.config import EvalConfig
-from moend_fx.eval.methods import (
-    METHODS,
-    MethodSpec,
-    PlanBook,
-    PrefillState,
-    build_cache,
-    cache_nbytes,
-    check_methods,
-    method_runs,
-    moend_options,
-)
 from moend_fx.eval.steps import eval_attention_on, model_device, prefill
 from moend_fx.plan.memory import full_cache_bytes
 from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
@@ -45,7 +35,7 @@ def continuation_eval(model: Any, table: SensitivityTable, token_ids: torch.Tens
     if ids.dim() != 2 or ids.shape[1] < context_length + 2:
         raise MoendError(f"token_ids {tuple(ids.shape)} must be [N, T] with T >= context_length + 2 = "
                          f"{context_length + 2}")
-    runnable, _ = check_methods(methods)
+    runnable, _ = mth.check_methods(methods)
     run = _ContinuationRun(model, table, EvalConfig(methods=tuple(runnable), budgets=tuple(budgets), window=window))
     out: list[dict[str, Any]] = []
     for i in tqdm(range(ids.shape[0]), desc="continuation", unit="seq", disable=not progress):
@@ -59,15 +49,15 @@ class _ContinuationRun:
     def __init__(self, model: Any, table: SensitivityTable, cfg: EvalConfig) -> None:
         self.model, self.cfg = model, cfg
         self.fp = ModelFingerprint.from_model(model)
-        self.plans = PlanBook(table)
-        self.moend_kw = moend_options(model, table, window=cfg.window)
+        self.plans = mth.PlanBook(table)
+        self.moend_kw = mth.moend_options(model, table, window=cfg.window)
         self.dev = model_device(model)
 
-    def _log_probs(self, spec: MethodSpec, state: PrefillState, cont: torch.Tensor,
+    def _log_probs(self, spec: mth.MethodSpec, state: mth.PrefillState, cont: torch.Tensor,
                    plan: RoutingPlan | None = None) -> tuple[torch.Tensor, int]:
         """(log p [C, V] float32 of the continuation ``cont`` [C] fed through the method's cache, its bytes)."""
-        cache = build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
-        measured = cache_nbytes(cache)
+        cache = mth.build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
+        measured = mth.cache_nbytes(cache)
         with eval_attention_on(self.model):
             logits = self.model(input_ids=cont[None].to(self.dev), cache=cache, use_cache=True).logits[0].float()
         return torch.log_softmax(logits, -1), measured
@@ -78,10 +68,10 @@ class _ContinuationRun:
         state = prefill(self.model, ctx, window=self.cfg.window)
         T = state.length
         target = cont[1:].to(self.dev)
-        ref_lp, ref_bytes = self._log_probs(METHODS["full"], state, cont)
+        ref_lp, ref_bytes = self._log_probs(mth.METHODS["full"], state, cont)
         loss_full = float(torch.nn.functional.nll_loss(ref_lp[:-1], target))
         out: list[dict[str, Any]] = []
-        for spec, budget in method_runs(self.cfg.methods, self.cfg.budgets):
+        for spec, budget in mth.method_runs(self.cfg.methods, self.cfg.budgets):
             rec: dict[str, Any] = dict(sequence=i, context_length=context_length, context_tokens=T,
                                        continuation_tokens=int(cont.numel()),
                                        method=spec.name, budget=budget, loss_full=loss_full,

@@ -19,7 +19,7 @@ from typing import Any
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import PlanError
-from moend_fx.common.io import atomic_write_text
+from moend_fx.common.io import atomic_write_text, read_existing
 from moend_fx.common.options import ScorerName
 from moend_fx.plan.config import ALLOWED_BITS, LayerConfig, check_keep_ratio, check_plan_bits
 from moend_fx.plan.fingerprint import ModelFingerprint
@@ -167,13 +167,11 @@ class RoutingPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingPlan:
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"plan file {str(p)!r} does not exist")
+        data = read_existing(path, "plan file", PlanError)
         try:
-            text = p.read_text(encoding="utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise PlanError(f"plan file {str(p)!r} is not UTF-8 text (a plan is JSON)") from None
+            raise PlanError(f"plan file {str(Path(path))!r} is not UTF-8 text (a plan is JSON)") from None
         return cls.from_json(text)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import StrEnum
+from moend_fx.common.options import option_set
 from moend_fx.plan.grid import Grid
 from moend_fx.solvers.base import (
     ArraySolution,
@@ -41,29 +41,15 @@ from moend_fx.solvers.base import (
 from moend_fx.solvers.greedy import greedy_indices
 from moend_fx.solvers.optuna_storage import problem_key, resolve_storage
 
-
-class Sampler(StrEnum):
-    """Optuna samplers the solver can run (CMA-ES needs the ``cmaes`` package and an ordinal space)."""
-
-    TPE = "tpe"
-    CMAES = "cmaes"
-    NSGA2 = "nsga2"
-    RANDOM = "random"
-
-
-class Space(StrEnum):
-    """What a trial parameter is: a categorical config index, or the config's rank by bytes."""
-
-    CONFIG = "config"
-    ORDINAL = "ordinal"
-
-
-class Repair(StrEnum):
-    """What happens to a proposal over budget: stepped down by bytes, or scored with a penalty."""
-
-    BYTES = "bytes"
-    NONE = "none"
-
+Sampler = option_set(
+    "Sampler", "Optuna samplers the solver can run (CMA-ES needs the ``cmaes`` package and an ordinal space).",
+    "tpe", "cmaes", "nsga2", "random", module=__name__)
+Space = option_set(
+    "Space", "What a trial parameter is: a categorical config index, or the config's rank by bytes.",
+    "config", "ordinal", module=__name__)
+Repair = option_set(
+    "Repair", "What happens to a proposal over budget: stepped down by bytes, or scored with a penalty.",
+    "bytes", "none", module=__name__)
 
 SAMPLERS: tuple[str, ...] = tuple(str(s) for s in Sampler)
 SPACES: tuple[str, ...] = tuple(str(s) for s in Space)

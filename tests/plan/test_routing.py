@@ -84,19 +84,6 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
-def test_failed_text_write_creates_no_file(tmp_path, monkeypatch):
-    """With no previous file, a failed ``atomic_write_text`` leaves nothing at all in the folder."""
-    import moend_fx.common.io as io_mod
-
-    def no_rename(*args):
-        raise OSError("no rename")
-
-    monkeypatch.setattr(io_mod.os, "replace", no_rename)
-    with pytest.raises(OSError, match="no rename"):
-        io_mod.atomic_write_text(tmp_path / "out.txt", "hello")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.parametrize("kw,msg", [
     ({"keep_ratio": 0.0, "k_bits": 4, "v_bits": 4}, r"outside the allowed range \(0, 1\]"),
     ({"keep_ratio": 1.5, "k_bits": 4, "v_bits": 4}, "outside the allowed range"),

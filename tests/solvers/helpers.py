@@ -41,3 +41,10 @@ def brute_force(S: np.ndarray, B: np.ndarray, budget: int) -> float | None:
 
 def small_table(layers: int = 6, seed: int = 0, grid: Grid = SMALL_GRID):
     return synthetic_table(layers, grid=grid, seed=seed)
+
+
+def fitted_loss(solve, S: np.ndarray, B: np.ndarray, budget: int) -> float:
+    """The predicted loss of ``solve(S, B, budget) -> (indices, steps)``, asserting first that it fits."""
+    idx, _ = solve(S, B, budget)
+    assert int(B[np.arange(S.shape[0]), idx].sum()) <= budget
+    return float(S[np.arange(S.shape[0]), idx].sum())

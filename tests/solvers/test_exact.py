@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 from moend_fx.common.errors import BudgetError
 from moend_fx.plan.memory import format_bytes
 from moend_fx.solvers import get_solver
-from moend_fx.solvers.base import plan_bytes_of, plan_loss
+from moend_fx.solvers.base import plan_loss
 from moend_fx.solvers.exact import exact_indices, lower_hull, pareto_configs
 from moend_fx.solvers.synthetic import synthetic_table
-from tests.solvers.helpers import brute_force, problems, small_table
+from tests.solvers.helpers import brute_force, fitted_loss, problems, small_table
 
 # Relative tolerance for comparing two sums of the same floats added in possibly different orders.
 RTOL = 1e-9
@@ -18,10 +18,7 @@ RTOL = 1e-9
 @settings(max_examples=25, deadline=None)
 @given(problems(max_layers=4, max_configs=6))
 def test_exact_equals_brute_force(p):
-    S, B, budget = p
-    idx, _ = exact_indices(S, B, budget)
-    assert plan_bytes_of(B, idx) <= budget
-    assert plan_loss(S, idx) == pytest.approx(brute_force(S, B, budget), rel=RTOL, abs=1e-12)
+    assert fitted_loss(exact_indices, *p) == pytest.approx(brute_force(*p), rel=RTOL, abs=1e-12)
 
 
 @settings(max_examples=25, deadline=None)

@@ -11,12 +11,12 @@ from moend_fx.eval.tasks.base import (
     Example,
     Pool,
     check_counts,
-    check_digits,
+    check_task,
     fill_haystack,
     fit_length,
     tokens_per_item,
 )
-from moend_fx.eval.tasks.text import WORDS, check_haystack, distinct_words, pseudo_word, random_number
+from moend_fx.eval.tasks.text import WORDS, distinct_words, pseudo_word, random_number
 
 
 def _var_name(rng: random.Random, avoid: set[str]) -> str:
@@ -43,11 +43,10 @@ class VariableTrackingTask:
     haystack: str = "sentences"
 
     def __post_init__(self) -> None:
-        check_haystack(self.haystack)
-        check_counts(num_chains=self.num_chains, num_hops=self.num_hops)
         if not 0.0 <= self.spread <= 1.0:
             raise MoendError(f"spread {self.spread} out of range; allowed: [0, 1]")
-        check_digits("variable_tracking", self.digits)
+        check_task("variable_tracking", haystack=self.haystack, digits=self.digits, num_chains=self.num_chains,
+                   num_hops=self.num_hops)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         names: set[str] = set()

@@ -26,7 +26,7 @@ from typing import Any
 from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import Setting
-from moend_fx.eval.tasks.text import count_tokens, haystack_kind, haystack_sentences
+from moend_fx.eval.tasks.text import check_haystack, count_tokens, haystack_kind, haystack_sentences
 
 SETTINGS: tuple[str, ...] = tuple(str(s) for s in Setting)  # the names, for CLI defaults and help texts
 MAX_DIGITS = 12  # the longest number a task hides (digit runs are what a "number" answer is read from)
@@ -91,6 +91,13 @@ def check_digits(task: str, digits: int) -> None:
     """:class:`MoendError` unless ``digits`` (the length of the numbers ``task`` hides) is in 1..MAX_DIGITS."""
     if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
         raise MoendError(f"{task} digits {digits!r} out of range; allowed: 1..{MAX_DIGITS}")
+
+
+def check_task(task: str, *, haystack: str, digits: int, **counts: int) -> None:
+    """The checks every needle task shares: a known ``haystack``, ``digits`` in range, positive ``counts``."""
+    check_haystack(haystack)
+    check_counts(**counts)
+    check_digits(task, digits)
 
 
 _PATTERNS = {

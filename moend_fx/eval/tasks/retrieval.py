@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moend_fx.eval.tasks.base import Example, check_counts, check_digits, fill_haystack
-from moend_fx.eval.tasks.text import check_haystack, key_phrase, random_number
+from moend_fx.eval.tasks.base import Example, check_task, fill_haystack
+from moend_fx.eval.tasks.text import key_phrase, random_number
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,7 @@ class PasskeyTask:
     haystack: str = "repeat"
 
     def __post_init__(self) -> None:
-        check_haystack(self.haystack)
-        check_digits("passkey", self.digits)
+        check_task("passkey", haystack=self.haystack, digits=self.digits)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         key = random_number(rng, self.digits, set())
@@ -68,9 +67,8 @@ class NiahTask:
     haystack: str = "sentences"
 
     def __post_init__(self) -> None:
-        check_haystack(self.haystack)
-        check_counts(num_keys=self.num_keys, num_values=self.num_values)
-        check_digits("niah", self.digits)
+        check_task("niah", haystack=self.haystack, digits=self.digits, num_keys=self.num_keys,
+                   num_values=self.num_values)
 
     def build(self, tokenizer: Any, length: int, rng: random.Random, depth: float) -> Example:
         keys: list[str] = []
