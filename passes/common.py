@@ -39,6 +39,9 @@ SOFTMAX_TARGETS: frozenset[Any] = frozenset({
     aten.softmax.int, torch.special.softmax,
 })
 CAT_TARGETS: frozenset[Any] = frozenset({torch.cat, torch.concat, aten.cat.default})
+# A dtype cast as dynamo records it (``x.to(torch.float32)``, ``x.float()``) or as aten does.
+CAST_METHODS = frozenset({"to", "float", "type"})
+CAST_TARGETS: frozenset[Any] = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 # Ops that may sit between the score matmul, the softmax and the output matmul of eager attention.
 _ELEMENTWISE_METHODS = frozenset({"to", "float", "half", "bfloat16", "type_as", "masked_fill", "contiguous",
                                   "mul", "div", "add", "sub", "__mul__", "__truediv__", "__add__"})

@@ -2,21 +2,26 @@
 
 The pattern (what :func:`moend_fx.attention.packed.packed_layer_attention` traces to)::
 
-    k = cat([moend.dequantize(k_codes, k_scale, k_zero, kb, G, 0, D, dtype) | k_raw, k_res], dim=2)
-    v = cat([moend.dequantize(v_codes, v_scale, v_zero, vb, G, 1, D, dtype) | v_raw, v_res], dim=2)
+    k = cat([moend.dequantize(k_codes, k_scale, k_zero, kb, G, 0, D, dtype), k_res], dim=2)
+        | cat([k_raw, k_res], dim=2)[.to(dtype)]
+    v = cat([moend.dequantize(v_codes, v_scale, v_zero, vb, G, 1, D, dtype), v_res], dim=2)
+        | cat([v_raw, v_res], dim=2)[.to(dtype)]
     out = scaled_dot_product_attention(q, k, v, attn_mask=None | ones(L, S).tril(S - L), scale=s, enable_gqa=True)
 
 becomes ``out = moend.packed_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
 kb, vb, G, s, causal)``, a node named after its kernel variant and layer (``attn_k4_v8_hd64_g32_layer7``). The
-kernel reads the packed codes directly: the layer is never dequantized into a full-precision copy. The dead
-dequantize / cat / mask nodes are removed by the clean-up.
+kernel reads the packed codes directly: the layer is never dequantized into a full-precision copy. Raw K/V are
+passed as stored (16-bit), before the graph widens them to q's dtype (an fp32 q: the ``cat`` promotes a 16-bit
+residual, a raw side's ``cat`` is cast, ``.to(dtype)`` above).
+The dead dequantize / cat / cast / mask nodes are removed by the clean-up.
 
 Must not fire (the SDPA node is left as is, with the reason in ``node.meta["moend_not_fused"]``) when:
 
 * neither K nor V is read through ``moend.dequantize`` (a 16/16 layer, or dense K/V): plain SDPA is already
   the right kernel;
 * K or V is not exactly ``cat([packed, residual], dim=2)``, or the packed part is neither a
-  ``moend.dequantize`` nor a raw graph tensor, or a raw side is cast on the way (dtype differs);
+  ``moend.dequantize`` nor a raw graph tensor, or a raw tensor does not hold exactly q's values (a cast other
+  than 16-bit storage widened to fp32), or a raw side and its residual window are stored in different types;
 * ``attn_mask`` is anything but None or the bottom-right causal mask ``ones(L, S).tril(S - L)`` (e.g. a padding
   mask: the kernel takes no mask), or ``is_causal=True`` (top-left aligned), or ``dropout_p != 0``;
 * shapes provably do not fit the kernel's layout (batch, KV heads, head_dim, packed length, group sizes,

@@ -3,6 +3,11 @@
 :func:`match_packed_attention` reads ``dequantize -> cat with residual -> SDPA`` (see the pass's module doc) into a
 :class:`PackedAttentionMatch`, or raises :class:`NoFuse` saying why this node is not that pattern. Sizes whose
 relation cannot be proven from the example values are accepted: the op checks its inputs at run time.
+
+Raw K/V (a 16-bit side, the residual window) are stored in 16 bits (fp16 for an fp32 model), so the graph widens
+them to q's dtype: a quantized side's ``cat`` promotes the residual, a raw side's ``cat`` is cast as a whole. The
+match reads through such widening casts to the stored tensors, which the kernels take as they are (they compute
+in fp32, so a widening cast changes no value).
 """
 
 from __future__ import annotations
@@ -18,7 +23,19 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from moend_fx.common.options import QuantMode
 from moend_fx.storage.quant import OP_MODE, packed_width, scale_shape
 
-from .common import CAT_TARGETS, dtype_of, is_call, is_dequantize, is_method, sdpa_args, shape_of, surely_differ, value
+from .common import (
+    CAST_METHODS,
+    CAST_TARGETS,
+    CAT_TARGETS,
+    dtype_of,
+    is_call,
+    is_dequantize,
+    is_method,
+    sdpa_args,
+    shape_of,
+    surely_differ,
+    value,
+)
 
 # SDPA forms with F.scaled_dot_product_attention's signature (the aten backend variants order arguments
 # differently).
@@ -26,6 +43,8 @@ _FUSABLE_SDPA = frozenset({
     torch._C._nn.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default,
 })
 _DEQ_ARGS = ("codes", "scale", "zero", "bits", "group_size", "mode", "head_dim", "dtype")
+# (stored, computed) dtypes of a cast that changes no value: 16-bit storage read as fp32.
+_EXACT_CASTS = frozenset({(torch.float16, torch.float32), (torch.bfloat16, torch.float32)})
 
 
 class NoFuse(Exception):
@@ -83,6 +102,26 @@ def _split_cat(kv: Any, side: str) -> tuple[fx.Node, fx.Node]:
     return parts[0], parts[1]
 
 
+def _reads_as(stored: torch.dtype | None, dtype: torch.dtype | None) -> bool:
+    """Whether a tensor stored in ``stored`` holds exactly the values it has in ``dtype`` (same type or widening)."""
+    return stored == dtype or (stored, dtype) in _EXACT_CASTS
+
+
+def _before_cast(node: Any) -> Any:
+    """The tensor ``node`` was cast from when ``node`` is a widening dtype cast (same shape and device: e.g. fp16
+    storage read as fp32), else ``node`` itself (also when it is not a graph node)."""
+    if not isinstance(node, fx.Node) or not node.args or not (is_method(node, CAST_METHODS)
+                                                              or is_call(node, CAST_TARGETS)):
+        return node
+    src = node.args[0]
+    before, after = value(src), value(node)
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return node
+    same_place = before.device == after.device and before.dim() == after.dim() and not any(
+        surely_differ(x, y) for x, y in zip(before.shape, after.shape))
+    return src if same_place and (before.dtype, after.dtype) in _EXACT_CASTS else node
+
+
 def _is_causal_mask(mask: Any, n_q: Any, n_k: Any) -> bool:
     """True for ``ones(L, S, dtype=bool).tril(S - L)`` (``chunk_causal_mask``) with L, S those of the SDPA."""
     if not isinstance(mask, fx.Node) or not (is_method(mask, {"tril"}) or is_call(mask, {torch.tril})):
@@ -101,7 +140,8 @@ def _is_causal_mask(mask: Any, n_q: Any, n_k: Any) -> bool:
 
 def read_side(kv: Any, name: str, mode: QuantMode, dtype: torch.dtype) -> Side:
     """The :class:`Side` that K or V (``kv``, an SDPA argument) is read from, quantized in ``mode`` if at all."""
-    packed, res = _split_cat(kv, name)
+    # K/V may be the cast of the cat (raw side) and each part a cast of what is stored: read through both
+    packed, res = (_before_cast(part) for part in _split_cat(_before_cast(kv), name))
     if is_dequantize(packed):
         a = _deq_args(packed)
         if a["mode"] != OP_MODE[mode]:
@@ -117,14 +157,14 @@ def read_side(kv: Any, name: str, mode: QuantMode, dtype: torch.dtype) -> Side:
             raise NoFuse(f"{name}'s dequantize has non-constant {symbolic} (a graph shared by several layers)")
         side = Side(name, a["codes"], a["scale"], a["zero"], res, **static)
     elif packed.op in ("placeholder", "get_attr"):
-        if dtype_of(packed) != dtype:
-            raise NoFuse(f"raw {name} has dtype {dtype_of(packed)}, q has {dtype}")
+        if dtype_of(packed) != dtype_of(res):  # the kernels read one raw type per side
+            raise NoFuse(f"raw {name} has dtype {dtype_of(packed)}, its residual window {dtype_of(res)}")
         side = Side(name, packed, None, None, res, 16)
     else:
         raise NoFuse(f"the packed part of {name} is neither moend.dequantize nor a graph input "
                      f"({packed.op} {packed.target})")
-    if dtype_of(res) != dtype:
-        raise NoFuse(f"{name}'s residual window has dtype {dtype_of(res)}, q has {dtype}")
+    if not _reads_as(dtype_of(res), dtype):
+        raise NoFuse(f"{name}'s residual window has dtype {dtype_of(res)}, which q's {dtype} does not hold exactly")
     return side
 
 

@@ -26,14 +26,18 @@ from moend_fx.storage.quant import dequantize
 
 
 def _side(block: Block, res: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Hkv, P + R, D] in ``dtype``: the packed tokens (decoded) followed by the residual window."""
-    packed = block if isinstance(block, torch.Tensor) else dequantize(block, dtype)
-    # Skip no-op casts so the traced graph stays the plain ``cat`` the fusion pass matches.
-    if packed.dtype != dtype:
-        packed = packed.to(dtype)
-    if res.dtype != dtype:
-        res = res.to(dtype)
-    return torch.cat([packed, res], dim=2)
+    """[B, Hkv, P + R, D] in ``dtype``: the packed tokens (decoded) followed by the residual window.
+
+    Raw K/V are stored in 16 bits (fp16 for an fp32 model) and read in q's dtype; the fusion pass reads through
+    both forms below to the stored tensors."""
+    if isinstance(block, torch.Tensor):
+        # A raw block is stored like its residual: one cat, then one cast (none for a 16-bit model, so its graph is
+        # the plain cat). Not a cast of the block alone: an empty block has zero strides (the row-major products
+        # of its sizes, see PackedKV), from which a compiled graph cannot derive a cast's strides.
+        kv = torch.cat([block, res], dim=2)
+        return kv if kv.dtype == dtype else kv.to(dtype)
+    # cat widens a 16-bit residual to the dequantized dtype itself (type promotion: exact, and no cast node)
+    return torch.cat([dequantize(block, dtype), res], dim=2)
 
 
 def packed_layer_attention(
@@ -46,7 +50,8 @@ def packed_layer_attention(
     mask: optional bool [B, 1 or H, L, n] (True = may attend), e.g. padding; combined with the causal mask.
     causal_chunk: alias of ``causal`` (overrides it when given), so this function is a drop-in
     ``attention_fn`` with :func:`moend_fx.attention.reference.reference_attention`'s signature.
-    Dequantizes in q's dtype (the model dtype). For a multi-token chunk, append the chunk to ``layer`` first.
+    Dequantizes in q's dtype (the model dtype) and reads the 16-bit raw K/V in it. For a multi-token chunk, append
+    the chunk to ``layer`` first.
     """
     if causal_chunk is not None:
         causal = causal_chunk

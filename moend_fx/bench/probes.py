@@ -66,10 +66,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def cache_nbytes(cache: Any) -> tuple[int, int]:
-    """(K/V storage bytes, scratch bytes) of a MoENDCache or of any HF cache with dense layers."""
+    """(every byte the cache holds, of which eviction state) of a MoENDCache, or (K/V bytes, 0) of any HF cache
+    with dense layers."""
     if hasattr(cache, "nbytes") and hasattr(cache, "plan"):
-        scratch = cache.scratch_nbytes() if hasattr(cache, "scratch_nbytes") else 0
-        return int(cache.nbytes().total), int(scratch)
+        return int(cache.nbytes().total), int(cache.state_nbytes())
     total = 0
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):

@@ -46,7 +46,7 @@ from moend_fx.eviction.evictor import DenseKV, Evictor
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.scorers.base import Scorer
 from moend_fx.plan.routing import LayerConfig
-from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.packed import PackedKV, slot_positions
 
 __all__ = ["EvictionPolicy", "MoENDLayer", "PackedAttention"]
 
@@ -122,11 +122,7 @@ class MoENDLayer(CacheLayerMixin):
             self._staged = (key_states, value_states)
             self._pending = "prefill"
             return key_states, value_states
-        pos = None
-        if self.packed.positions is not None:
-            b, h = key_states.shape[:2]
-            pos = torch.arange(start, start + n_new, device=key_states.device, dtype=torch.int32)
-            pos = pos.expand(b, h, n_new)
+        pos = None if self.packed.positions is None else slot_positions(start, start + n_new, key_states)
         # keep_full: a group filled by this step is quantized before the next one (flush in before_step), so a
         # compiled decode step has one code path whatever the residual length.
         self.packed = self.packed.append(key_states, value_states, pos, keep_full=True)
@@ -185,14 +181,18 @@ class MoENDLayer(CacheLayerMixin):
         return 0 if self.packed is None else self.packed.k_res.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes stored (packed codes, scales, residual, positions); staged dense K/V while mid-prefill."""
+        """Bytes of every tensor this layer holds: the packed storage (codes, scales, residual, positions; the
+        staged dense K/V while mid-prefill) plus the eviction state (:meth:`state_nbytes`)."""
         self.settle()
         if self._staged is not None:
-            return sum(t.numel() * t.element_size() for t in self._staged)
-        return 0 if self.packed is None else self.packed.nbytes()
+            stored = sum(t.numel() * t.element_size() for t in self._staged)
+        else:
+            stored = 0 if self.packed is None else self.packed.nbytes()
+        return stored + self.state_nbytes()
 
-    def scratch_nbytes(self) -> int:
-        """Bytes of the scorer's query window (not K/V storage; absent for trig with calibrated stats)."""
+    def state_nbytes(self) -> int:
+        """Bytes of the eviction state: the scorer's query window (none for trig with calibrated stats, keynorm,
+        streaming), the rows' RoPE offsets and the tensors the scorer holds (trig's calibrated statistics)."""
         return self.evictor.nbytes()
 
     @property
@@ -248,10 +248,7 @@ class MoENDLayer(CacheLayerMixin):
 
     def _compress_prompt(self, k: torch.Tensor, v: torch.Tensor, lmask: torch.Tensor | None) -> None:
         """Evict the prompt k, v: [B, Hkv, T, D] to the policy's share and quantize it into the PackedKV."""
-        pos = None
-        if self.config.evicts:
-            b, h, n = k.shape[:3]
-            pos = torch.arange(n, device=k.device, dtype=torch.int32).expand(b, h, n)
+        pos = slot_positions(0, k.shape[2], k) if self.config.evicts else None
         # Evict on the exact prompt K/V, then quantize once (not quantize, dequantize and re-quantize).
         self.packed = self.evictor.evict(DenseKV(k, v, pos), lmask, chunk=True, logical=self.logical)
 

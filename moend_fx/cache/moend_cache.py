@@ -27,8 +27,9 @@ from moend_fx.common.options import BudgetMode
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers import Scorer, build_scorer
-from moend_fx.plan.memory import dtype_bytes, keep_count, keep_floor, layer_bytes
+from moend_fx.plan.memory import keep_count, keep_floor, layer_bytes
 from moend_fx.plan.routing import RoutingPlan
+from moend_fx.plan.scorer_state import scorer_state_bytes
 
 
 class CacheBytes(NamedTuple):
@@ -183,7 +184,8 @@ class MoENDCache(Cache):
         return CacheBytes(per, sum(per))
 
     def model_bytes(self) -> CacheBytes:
-        """What the memory model (``moend_fx.plan.memory.layer_bytes``) says the held tokens take."""
+        """What the memory model says the held tokens take (``moend_fx.plan.memory.layer_bytes``) plus the eviction
+        state (``moend_fx.plan.scorer_state.scorer_state_bytes``)."""
         self.settle()
         fp = self.plan.fingerprint
         per = []
@@ -191,12 +193,16 @@ class MoENDCache(Cache):
             if layer.packed is None:
                 per.append(0)
                 continue
-            per.append(layer_bytes(
+            sc = layer.evictor.scorer
+            state = 0 if sc is None else scorer_state_bytes(
+                layer.config, layer.logical, scorer=sc.name, num_heads=fp.num_heads, head_dim=fp.head_dim,
+                batch=layer.batch_size, window=layer.policy.window, calibrated=sc.calibrated)
+            per.append(state + layer_bytes(
                 layer.config, 0, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=layer.batch_size,
-                group_size=self.plan.group_size, dtype_bytes=dtype_bytes(layer.packed.dtype), kept=layer.held,
+                group_size=self.plan.group_size, dtype=layer.packed.dtype, kept=layer.held, slots=layer.logical,
             ))
         return CacheBytes(per, sum(per))
 
-    def scratch_nbytes(self) -> int:
-        """Bytes of the scorers' query windows (working memory, not K/V storage)."""
-        return sum(layer.scratch_nbytes() for layer in self.layers)
+    def state_nbytes(self) -> int:
+        """Of :meth:`nbytes`, the bytes of the eviction state (query windows, RoPE offsets, scorer statistics)."""
+        return sum(layer.state_nbytes() for layer in self.layers)

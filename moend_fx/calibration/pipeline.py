@@ -8,8 +8,8 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
 2. for each keep ratio, select tokens exactly as the cache does (``selection.select_tokens``: sinks, recent
    window, best scores) and gather them with their original positions;
 3. compress the kept K for each K bit width and the kept V for each V bit width with
-   :meth:`PackedKV.from_dense` + ``dequantize`` (so the table sees exactly what the cache stores, residual
-   window included);
+   :meth:`PackedKV.from_dense` + ``dequantize`` (so the table sees exactly what the cache stores, the 16-bit
+   residual window and 16-bit sides included);
 4. for every (K bits, V bits) pair compute the window queries' attention over the compressed K/V (softmax
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
    take the relative L2 error against the same computation on the uncompressed K/V.
@@ -139,10 +139,9 @@ def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, ke
     """K (side "k") or V (side "v") of kept tokens k, v [B, Hkv, n, D] after the cache's compression.
 
     The other side is left at 16 bits: with a quantized config the packed/residual split is the same
-    whatever the other side's bits, and a 16-bit side is stored as is, so K's error depends only on K bits.
+    whatever the other side's bits, and a 16-bit side is stored as is (in its 16-bit storage type, which
+    ``PackedKV`` rounds to here too), so K's error depends only on K bits.
     """
-    if bits == 16:
-        return k if side == "k" else v
     cfg = LayerConfig(keep, bits, 16) if side == "k" else LayerConfig(keep, 16, bits)
     kk, vv = PackedKV.from_dense(k, v, cfg, group_size, pos).dequantize(k.dtype)
     return kk if side == "k" else vv

@@ -14,6 +14,7 @@ Loading checks the format, the version, the hash, the shapes against the grid an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError, PlanError, TableError
 from moend_fx.common.io import atomic_write_bytes, read_existing
+from moend_fx.common.options import ScorerName
 from moend_fx.plan.memory import plan_layer_bytes
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 
@@ -54,6 +56,9 @@ class SensitivityTable:
     group_size: int = GROUP_SIZE
     calibration: dict[str, Any] = field(default_factory=dict)
     query_stats: dict[str, np.ndarray] = field(default_factory=dict)
+    # (scorer, calibrated) the byte costs are priced for, when a cache will evict otherwise than the table's own
+    # scorer with its statistics (see priced_for); not saved
+    pricing: tuple[str, bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         S = np.asarray(self.S, dtype=np.float64)
@@ -77,9 +82,12 @@ class SensitivityTable:
         return self.grid.configs
 
     def bytes_matrix(self, context_length: int, batch: int = 1) -> np.ndarray:
-        """[L, C] int64: bytes each config takes on each layer at ``context_length`` tokens."""
+        """[L, C] int64: every byte each config takes on each layer at ``context_length`` tokens, the eviction
+        state of the table's scorer (with this table's query statistics, when it has them) included."""
+        scorer, calibrated = self.pricing or (str(self.calibration.get("scorer", ScorerName.TRIG)), self.has_stats())
         row = np.array(
-            [plan_layer_bytes(c, context_length, self.fingerprint, group_size=self.group_size, batch=batch)
+            [plan_layer_bytes(c, context_length, self.fingerprint, group_size=self.group_size, batch=batch,
+                              scorer=scorer, calibrated=calibrated)
              for c in self.grid.configs],
             dtype=np.int64,
         )
@@ -106,6 +114,12 @@ class SensitivityTable:
         if lo <= 0:
             return float("nan") if hi <= 0 else float("inf")
         return hi / lo
+
+    def priced_for(self, scorer: str, calibrated: bool) -> SensitivityTable:
+        """This table with its byte costs (:meth:`bytes_matrix`) priced for caches that evict with ``scorer``,
+        with calibrated query statistics or not, instead of the table's own scorer and statistics: what a plan
+        solved on it must budget when the cache overrides the scorer (its eviction state differs)."""
+        return dataclasses.replace(self, pricing=(str(scorer), bool(calibrated)))
 
     def has_stats(self) -> bool:
         return bool(self.query_stats)

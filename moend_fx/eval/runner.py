@@ -71,7 +71,9 @@ class Runner:
         self.model, self.tokenizer, self.table, self.cfg = model, tokenizer, table, config
         self.methods, self.skipped = check_methods(config.methods)
         self.fp = ModelFingerprint.from_model(model)
-        self.plans = PlanBook(table)
+        # plans budget the eviction state of the scorer the caches will use (an override keeps other state)
+        scorer = config.scorer or str(table.calibration.get("scorer", ScorerName.TRIG))
+        self.plans = PlanBook(table.priced_for(scorer, table.has_stats() and config.calibrated_stats))
         self.progress = progress
         scorer = {} if config.scorer is None else {"scorer": config.scorer}
         self.moend_kw = moend_options(model, table, window=config.window, calibrated_stats=config.calibrated_stats,

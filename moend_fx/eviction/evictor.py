@@ -112,6 +112,8 @@ class Evictor:
         """After attention of the newest queries q: [B, H, L, D] (the layer now holds ``logical`` slots): record
         each row's RoPE offset from position_ids [B, L'] (None: unchanged, zeros at first) and, when the
         scorer reads queries, push q to the window."""
+        if not self.config.evicts:
+            return  # a layer that keeps every token never scores: it keeps neither offsets nor queries
         b, _, n_q, _ = q.shape
         slots = torch.arange(logical - n_q, logical, device=q.device)
         if position_ids is not None:
@@ -124,7 +126,8 @@ class Evictor:
 
     def unpadded(self, batch: int, device: torch.device) -> None:
         """A prompt loaded without its queries: rows are unpadded, so every slot is its RoPE position."""
-        self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
+        if self.config.evicts:
+            self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] of the window and the offsets."""
@@ -137,8 +140,11 @@ class Evictor:
         return self.window.tensors()
 
     def nbytes(self) -> int:
-        """Bytes of the query window (working memory, not K/V storage)."""
-        return self.window.nbytes()
+        """Bytes of every tensor this evictor keeps: the query window, the rows' RoPE offsets and what the scorer
+        holds (a cache layer's bytes include them: :func:`moend_fx.plan.memory.scorer_state_bytes` predicts them)."""
+        offsets = 0 if self.rope_offset is None else self.rope_offset.numel() * self.rope_offset.element_size()
+        scorer = 0 if self.scorer is None else self.scorer.nbytes()
+        return self.window.nbytes() + offsets + scorer
 
     # ------------------------------------------------------------------ eviction
     def decode_step(self, packed: PackedKV, lmask: torch.Tensor | None, logical: int) -> PackedKV:

@@ -1,37 +1,59 @@
-"""The window of recent queries a query-reading scorer scores with (working memory, not cache bytes)."""
+"""The window of recent queries a query-reading scorer scores with: part of what a cache layer stores, so it is
+kept small (16-bit, its own storage) and counted (:meth:`QueryWindow.nbytes`, :meth:`QueryWindow.bytes_for`)."""
 
 from __future__ import annotations
 
 import torch
 
+from moend_fx.common.dtypes import storage_dtype
+
+_POSITION_DTYPE = torch.int32  # slots and RoPE positions: a context never reaches 2**31 tokens
+
 
 class QueryWindow:
     """The last ``size`` post-RoPE queries a layer saw, with their logical slots and RoPE positions.
 
-    queries: [B, H, W, D]; slots: [W] int64 (columns of HF's logical mask); positions: [B, W] int64 (what RoPE
-    rotated them by: slot - the row's left-padding offset). W <= size; all None until the first :meth:`push`.
+    queries: [B, H, W, D] in the layer's 16-bit storage type (``moend_fx.common.dtypes.storage_dtype``: the
+    scorers rank keys with them, and fp16 keeps far more precision than a ranking needs); slots: [W] int32
+    (columns of HF's logical mask); positions: [B, W] int32 (what RoPE rotated them by: slot - the row's
+    left-padding offset). W <= size; all None until the first :meth:`push`. Each is a fresh tensor (never a view
+    into the prompt's queries, which would keep the whole prompt's query tensor alive).
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.dtype: torch.dtype | None = None  # the queries' own dtype, handed back by select
         self.queries: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
+    @staticmethod
+    def bytes_for(*, batch: int, num_heads: int, head_dim: int, seen: int, size: int) -> int:
+        """Bytes a window of ``size`` holds after ``seen`` queries (queries, slots, positions)."""
+        w = min(seen, size)
+        return batch * num_heads * w * head_dim * 2 + w * 4 + batch * w * 4
+
     def push(self, queries: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Add the newest queries [B, H, L, D] at slots [L] and RoPE positions [B, L]; keep the last ``size``."""
         w = self.size
-        q, slots, positions = queries[:, :, -w:], slots[-w:], positions[:, -w:]
-        if self.queries is not None and q.shape[2] < w:
-            q = torch.cat([self.queries, q], dim=2)[:, :, -w:]
-            slots = torch.cat([self.slots, slots])[-w:]
-            positions = torch.cat([self.positions, positions], dim=1)[:, -w:]
-        self.queries, self.slots, self.positions = q.detach(), slots, positions
+        self.dtype = queries.dtype
+        # copy=True: a slice, or a cast that changes nothing, would share (and keep alive) the storage of
+        # everything it came from, e.g. the whole prompt's queries after a prefill
+        q = queries[:, :, -w:].detach().to(storage_dtype(queries.dtype), copy=True)
+        slots = slots[-w:].to(_POSITION_DTYPE, copy=True)
+        positions = positions[:, -w:].to(_POSITION_DTYPE, copy=True)
+        old = 0 if self.queries is None else min(w - q.shape[2], self.queries.shape[2])
+        if old > 0:  # the newest ``old`` of the window stay; cat of exact slices leaves no slack storage
+            q = torch.cat([self.queries[:, :, -old:], q], dim=2)
+            slots = torch.cat([self.slots[-old:], slots])
+            positions = torch.cat([self.positions[:, -old:], positions], dim=1)
+        self.queries, self.slots, self.positions = q, slots, positions
 
     def select(self, row: int | None = None, keep: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(queries [b, H, w, D], positions [b, w]) of batch row ``row`` (b = 1; None = every row), only the
-        window queries ``keep`` [W] bool marks (None = all); (None, None) before the first push."""
+        """(queries [b, H, w, D] in their own dtype, positions [b, w] int64) of batch row ``row`` (b = 1; None =
+        every row), only the window queries ``keep`` [W] bool marks (None = all); (None, None) before the first
+        push."""
         if self.queries is None:
             return None, None
         q, pos = self.queries, self.positions
@@ -39,7 +61,7 @@ class QueryWindow:
             q, pos = q[row : row + 1], pos[row : row + 1]
         if keep is not None:
             q, pos = q[:, :, keep], pos[:, keep]
-        return q, pos
+        return q.to(self.dtype), pos.long()
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] (beam search, batch selection)."""
@@ -52,4 +74,4 @@ class QueryWindow:
         return [] if self.queries is None else [self.queries]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.queries, self.positions) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.queries, self.slots, self.positions) if t is not None)

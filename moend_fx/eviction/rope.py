@@ -16,7 +16,7 @@ Angles are computed exactly as HF does (float32 ``pos * inv_freq``, cos/sin in f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ class RopeSpec:
     inv_freq: tuple[float, ...]
     attention_scaling: float = 1.0
     layout: str = "rotate_half"
-    _inv_freq_t: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.inv_freq, torch.Tensor):
@@ -46,16 +45,16 @@ class RopeSpec:
             raise MoendError(f"RopeSpec.attention_scaling={self.attention_scaling!r}; must be finite and > 0")
         if self.layout != "rotate_half":
             raise MoendError(f"RopeSpec.layout={self.layout!r} is not supported; allowed: ['rotate_half']")
-        # float32 like HF's rotary module, so the angles match the model's bit for bit
-        object.__setattr__(self, "_inv_freq_t", torch.tensor(self.inv_freq, dtype=torch.float32))
 
     @property
     def head_dim(self) -> int:
         return 2 * len(self.inv_freq)
 
     def inv_freq_tensor(self, device: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """inv_freq as a tensor: [D/2]."""
-        return self._inv_freq_t.to(device=device, dtype=dtype)
+        """inv_freq as a tensor: [D/2]. Built on each call (eviction is rare) rather than held, so a cache that keeps
+        a RopeSpec keeps no tensor for it; float32 first, like HF's rotary module, so the angles match the model's
+        bit for bit."""
+        return torch.tensor(self.inv_freq, dtype=torch.float32).to(device=device, dtype=dtype)
 
     @classmethod
     def default(cls, head_dim: int, theta: float = 10000.0) -> RopeSpec:
@@ -188,6 +187,15 @@ class QueryStats:
     @property
     def head_dim(self) -> int:
         return 2 * self.sum.shape[1]
+
+    @staticmethod
+    def bytes_for(num_heads: int, head_dim: int) -> int:
+        """Bytes a QueryStats of ``num_heads`` heads holds: ``sum`` [H, D/2, 2] and ``abs_sum`` [H, D/2] float64."""
+        return num_heads * (head_dim // 2) * 3 * 8
+
+    def nbytes(self) -> int:
+        """Bytes of its tensors (what a scorer that holds these statistics keeps alive)."""
+        return sum(t.numel() * t.element_size() for t in (self.sum, self.abs_sum))
 
     def accumulate(self, q_pre: torch.Tensor, mask: torch.Tensor | None = None) -> QueryStats:
         """Add pre-RoPE queries in place and return self.

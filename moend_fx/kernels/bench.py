@@ -3,7 +3,7 @@
 q: [1, 9, 1, 64] over 3 KV heads (SmolLM2's shapes) at several held lengths, for
 * ``sdpa_fp32``: torch SDPA on dense fp32 K/V (the baseline),
 * ``reference_k{b}v{b}``: dequantize the layer with torch ops, then SDPA,
-* ``cpu_k{b}v{b}``: the fused C++ kernel (16 = fp32 stored as is, 8, 4 bits).
+* ``cpu_k{b}v{b}``: the fused C++ kernel (16 = stored as fp16, 8, 4 bits).
 
 Each method gets its own set of copies of the inputs, used in rotation, so that every call reads its
 K/V from memory rather than from a cache warmed by the previous call (design.md). Median of ``runs``.

@@ -55,15 +55,18 @@ def check_inputs(
     if hkv == 0 or h % hkv:
         raise MoendError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
     p = k_packed.shape[2] if k_packed.dim() == 4 else -1
-    for side, bits, packed, sc, ze, mode in (("k", k_bits, k_packed, k_scale, k_zero, QuantMode.CHANNEL),
-                                             ("v", v_bits, v_packed, v_scale, v_zero, QuantMode.TOKEN)):
+    for side, bits, packed, sc, ze, res, mode in (
+            ("k", k_bits, k_packed, k_scale, k_zero, k_res, QuantMode.CHANNEL),
+            ("v", v_bits, v_packed, v_scale, v_zero, v_res, QuantMode.TOKEN)):
         if bits == 16:
             want = (b, hkv, p, d)
             if tuple(packed.shape) != want:
                 raise MoendError(f"{side}_packed (16-bit, raw) must be [B, Hkv, P, D] = {want}; "
                                  f"got {tuple(packed.shape)}")
-            if packed.dtype not in _RAW_DTYPES:
-                raise MoendError(f"{side}_packed dtype {packed.dtype} is not a float type")
+            # the kernels read one raw type per side (a cache stores both in the same 16-bit type)
+            if packed.dtype not in _RAW_DTYPES or (p and packed.dtype != res.dtype):
+                raise MoendError(f"{side}_packed (16-bit, raw) must be a float type, that of {side}_res "
+                                 f"({res.dtype}); got {packed.dtype}")
             continue
         want = (b, hkv, p, packed_width(d, bits))
         if tuple(packed.shape) != want or packed.dtype != torch.uint8:
@@ -143,7 +146,8 @@ def packed_attention_op(
 
     k_packed: uint8 codes [B, Hkv, P, D*k_bits/8] (or raw [B, Hkv, P, D] when k_bits == 16);
     k_scale, k_zero: fp16 [B, Hkv, P/G, D] (empty when 16-bit); v_packed likewise;
-    v_scale, v_zero: fp16 [B, Hkv, P, D/min(G, D)]; k_res, v_res: [B, Hkv, R, D] model dtype.
+    v_scale, v_zero: fp16 [B, Hkv, P, D/min(G, D)]; k_res, v_res: [B, Hkv, R, D] as stored (fp16, or bf16 for a
+    bf16 model; any float type is read), a raw side in its residual's type.
     causal: the L queries are the newest L of the S = P + R held tokens (bottom-right mask).
     Returns [B, H, L, D] in q's dtype. This body is the fallback for devices without a kernel.
     """

@@ -3,12 +3,15 @@
 A layer that keeps ``n`` tokens stores, per batch row and KV head:
 
 * ``P = (n // G) * G`` tokens in packed groups (when K or V is quantized) and ``R = n - P`` tokens in a
-  full-precision residual window (model dtype). A lossless layer (16/16 bits) stores all ``n`` as is.
+  residual window kept as is. A lossless layer (16/16 bits) stores all ``n`` as is.
 * packed K: ``P * D * k_bits / 8`` code bytes + fp16 scale and zero per (group of G tokens, channel);
-  16-bit K is stored as is (``P * D * dtype_bytes``).
+  16-bit K is stored as is (``P * D * 2``).
 * packed V: ``P * D * v_bits / 8`` code bytes + fp16 scale and zero per (token, group of G channels);
   16-bit V is stored as is.
-* positions: one int32 per kept token, only when the layer evicts (keep_ratio < 1).
+* "as is" means in the 16-bit storage type of the model's dtype (``moend_fx.common.dtypes.storage_dtype``: fp16,
+  or bf16 for a bf16 model): 2 bytes per element whatever the model computes in.
+* positions: one integer per kept token, only when the layer evicts (keep_ratio < 1), in the narrowest type that
+  holds the layer's logical slots (``moend_fx.common.dtypes.position_dtype``: int16 up to 32768 tokens, else int32).
 
 Solvers, reports, budgets and the cache's measured ``nbytes()`` all use these functions.
 """
@@ -21,13 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from moend_fx.common.defaults import GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
+from moend_fx.common.defaults import GROUP_SIZE, QUERY_WINDOW, RECENT_TOKENS, SINK_TOKENS
+from moend_fx.common.dtypes import position_dtype, storage_dtype
 from moend_fx.common.errors import BudgetError
+from moend_fx.common.options import ScorerName
 from moend_fx.plan.config import LayerConfig
 from moend_fx.plan.fingerprint import ModelFingerprint
+from moend_fx.plan.scorer_state import scorer_state_bytes
 
 SCALE_BYTES = 2  # fp16 scale and fp16 zero per quantization group
-POSITION_BYTES = 4  # int32 original position per kept token per KV head
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 # The floor of a plan with default sinks and recent window (4 + 32): what plan-level byte predictions assume
@@ -53,6 +58,8 @@ class PlanShape(Protocol):
     def sink_tokens(self) -> int: ...
     @property
     def recent_tokens(self) -> int: ...
+    @property
+    def scorer(self) -> str: ...
 
 
 def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
@@ -101,28 +108,36 @@ def layer_bytes_breakdown(
     head_dim: int,
     batch: int = 1,
     group_size: int = GROUP_SIZE,
-    dtype_bytes: int = 4,
+    dtype: Any = "float32",
     kept: int | None = None,
+    slots: int | None = None,
     floor: int = 0,
 ) -> dict[str, int]:
     """Bytes by part for one layer after it has seen ``tokens`` tokens (or holds exactly ``kept``).
 
+    dtype: the model's dtype (a torch dtype or its name); raw K/V (16-bit sides, the residual window) are stored
+    in its :func:`~moend_fx.common.dtypes.storage_dtype`, 2 bytes an element whatever it is.
+    slots: the logical slots the layer has handed out (its logical length), which picks the positions' integer
+    type; default ``max(tokens, n)``, what a MoENDCache layer has after a prompt of ``tokens`` tokens. A caller
+    that gives ``kept`` for a layer past 32768 tokens passes its logical length here.
     floor: the kept-token floor of :func:`keep_count` (``keep_floor(plan)`` for a MoENDCache layer)."""
     n = keep_count(tokens, config.keep_ratio, floor) if kept is None else kept
     p, r = split_packed(n, config, group_size)
     d = head_dim
     rows = batch * kv_heads
-    k_codes = p * d * dtype_bytes if config.k_bits == 16 else p * d * config.k_bits // 8
-    v_codes = p * d * dtype_bytes if config.v_bits == 16 else p * d * config.v_bits // 8
+    raw = storage_dtype(dtype).itemsize
+    k_codes = p * d * raw if config.k_bits == 16 else p * d * config.k_bits // 8
+    v_codes = p * d * raw if config.v_bits == 16 else p * d * config.v_bits // 8
     k_scales = 0 if config.k_bits == 16 else (p // group_size) * d * 2 * SCALE_BYTES
     v_groups = math.ceil(d / min(group_size, d))
     v_scales = 0 if config.v_bits == 16 else p * v_groups * 2 * SCALE_BYTES
+    position_bytes = position_dtype(max(tokens, n) if slots is None else slots).itemsize
     return {
         "k_codes": rows * k_codes,
         "v_codes": rows * v_codes,
         "scales": rows * (k_scales + v_scales),
-        "residual": rows * 2 * r * d * dtype_bytes,
-        "positions": rows * n * POSITION_BYTES if config.evicts else 0,
+        "residual": rows * 2 * r * d * raw,
+        "positions": rows * n * position_bytes if config.evicts else 0,
     }
 
 
@@ -133,13 +148,18 @@ def layer_bytes(config: LayerConfig, tokens: int, **kw: Any) -> int:
 
 def plan_layer_bytes(
     config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = GROUP_SIZE, batch: int = 1,
-    floor: int = DEFAULT_KEEP_FLOOR,
+    floor: int = DEFAULT_KEEP_FLOOR, scorer: str | None = ScorerName.TRIG, calibrated: bool = True,
+    window: int = QUERY_WINDOW,
 ) -> int:
-    """Bytes a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens. ``floor``: the
-    plan's kept-token floor (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
-    return layer_bytes(
+    """Every byte a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens: its storage and
+    its eviction state (:func:`~moend_fx.plan.scorer_state.scorer_state_bytes`: ``scorer``, whether the layer has
+    calibrated query statistics, the query ``window``). ``floor``: the plan's kept-token floor
+    (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
+    state = scorer_state_bytes(config, tokens, scorer=scorer, num_heads=fp.num_heads, head_dim=fp.head_dim,
+                               batch=batch, window=window, calibrated=calibrated)
+    return state + layer_bytes(
         config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
-        group_size=group_size, dtype_bytes=dtype_bytes(fp.dtype), floor=floor,
+        group_size=group_size, dtype=fp.dtype, floor=floor,
     )
 
 
@@ -148,7 +168,7 @@ def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1) -> in
     them after a prompt of that length (the plan's own kept-token floor included)."""
     t = plan.context_length if tokens is None else tokens
     return sum(plan_layer_bytes(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
-                                floor=keep_floor(plan))
+                                floor=keep_floor(plan), scorer=plan.scorer)
                for c in plan.layers)
 
 

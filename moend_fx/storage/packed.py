@@ -1,4 +1,4 @@
-"""One layer's compressed K/V storage: packed groups, a full-precision residual window, original positions.
+"""One layer's compressed K/V storage: packed groups, a 16-bit residual window, original positions.
 
 This is the data every consumer shares: the cache stores one :class:`PackedKV` per layer, the reference
 attention and the fused kernels read its fields, and ``nbytes()`` is what the memory model predicts
@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from moend_fx.common.defaults import GROUP_SIZE
+from moend_fx.common.dtypes import POSITION_DTYPES, position_dtype, storage_dtype
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import QuantMode
 from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.quant import QuantizedTensor, dequantize, quantize
 
-Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] when that side is 16-bit
+Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] (storage dtype) when that side is 16-bit
 
 
 def _row_major_empty(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +38,8 @@ def _row_major_empty(x: torch.Tensor) -> torch.Tensor:
 
 
 def _encode(x: torch.Tensor, bits: int, group_size: int, mode: QuantMode) -> Block:
-    """The block of x: [B, H, P, D] (P a multiple of group_size): x itself when ``bits`` is 16, else its codes."""
+    """The block of x: [B, H, P, D] (P a multiple of group_size, already in the storage dtype): x itself when
+    ``bits`` is 16, else its codes."""
     if bits == 16:
         return _row_major_empty(x.contiguous())
     return quantize(x, bits, group_size, mode).map(_row_major_empty)
@@ -58,7 +61,8 @@ def _map_block(block: Block, fn: Callable[[torch.Tensor], torch.Tensor]) -> Bloc
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
-    """A fresh copy of a residual window x: [B, H, R, D], stored token-major (memory order [R, B, H, D]).
+    """A fresh copy of a residual window x: [B, H, R, D] (in the storage dtype), stored token-major (memory order
+    [R, B, H, D]).
 
     Why: under torch.compile the decode graph is guarded on the strides of its inputs. Row-major strides of
     [B, H, R, D] depend on R and are irregular at R = 0 (PyTorch uses max(R, 1)), and a slice keeps the parent's
@@ -70,15 +74,35 @@ def _fresh(x: torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).clone(memory_format=torch.contiguous_format).permute(1, 2, 0, 3)
 
 
+def slot_positions(start: Any, stop: Any, like: torch.Tensor) -> torch.Tensor:
+    """Positions [B, H, stop - start] of the new slots ``start .. stop - 1`` of a layer whose K/V are ``like``
+    [B, H, *, D], in the position type of ``stop`` slots (an expanded view: every row and head has the same)."""
+    b, h = like.shape[:2]
+    return torch.arange(start, stop, device=like.device, dtype=position_dtype(stop)).expand(b, h, stop - start)
+
+
+def _stored_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, H, n] (any integer type) in the narrowest position type holding them: ``position_dtype`` of
+    the slots they need (largest + 1), contiguous.
+
+    Reads the largest value (a host sync), so only eager code comes here (a prompt's compression, an eviction); a
+    compiled decode step appends positions the cache layer already made in a position type."""
+    slots = int(positions.max()) + 1 if positions.numel() else 0
+    return positions.to(position_dtype(slots)).contiguous()
+
+
 @dataclass(frozen=True)
 class PackedKV:
     """Compressed K/V of one layer holding ``n = P + R`` tokens per (batch row, KV head).
 
     k_packed / v_packed: the first P tokens (P a multiple of ``group_size``; 0 for a lossless layer), a
-    :class:`QuantizedTensor` or, for a 16-bit side, a raw tensor [B, H, P, D] in the model dtype.
-    k_res / v_res: [B, H, R, D] the last R tokens in the model dtype.
-    positions: [B, H, n] int32 original positions of the held tokens (ascending), or None when the layer
-    never evicts (then token i is at position ``offset + i``; the cache tracks ``offset``).
+    :class:`QuantizedTensor` or, for a 16-bit side, a raw tensor [B, H, P, D] in the storage dtype.
+    k_res / v_res: [B, H, R, D] the last R tokens in the storage dtype.
+    positions: [B, H, n] int16 (int32 past 32768 slots) original positions of the held tokens (ascending), or
+    None when the layer never evicts (then token i is at position ``offset + i``; the cache tracks ``offset``).
+    dtype: the model's dtype, in which K/V come in and :meth:`dequantize` gives them back. Raw K/V are stored in
+    ``storage_dtype(dtype)`` (fp16, or bf16 for a bf16 model: 16 bits, as budgets count them), and every token
+    is quantized from that 16-bit copy, so appending tokens one by one packs exactly what one call packs.
     """
 
     config: LayerConfig
@@ -88,13 +112,14 @@ class PackedKV:
     k_res: torch.Tensor
     v_res: torch.Tensor
     positions: torch.Tensor | None
+    dtype: torch.dtype
 
     @classmethod
     def from_dense(
         cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = GROUP_SIZE,
         positions: torch.Tensor | None = None,
     ) -> PackedKV:
-        """Compress k, v: [B, H, n, D] (post-RoPE, already evicted). positions: [B, H, n] int."""
+        """Compress k, v: [B, H, n, D] in the model dtype (post-RoPE, already evicted). positions: [B, H, n] int."""
         if k.shape != v.shape or k.dim() != 4:
             raise MoendError(f"k and v must both be [B, H, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
         if config.evicts and positions is None:
@@ -104,12 +129,15 @@ class PackedKV:
         if config.evicts:
             if positions.shape != k.shape[:3]:
                 raise MoendError(f"positions must be [B, H, n] = {tuple(k.shape[:3])}; got {tuple(positions.shape)}")
-            pos = positions.to(torch.int32).contiguous()
+            pos = _stored_positions(positions)
+        # Quantized from the 16-bit copy too, as tokens that arrive through append are (see the class doc).
+        raw = storage_dtype(k.dtype)
+        ks, vs = k.to(raw), v.to(raw)
         return cls(
             config, group_size,
-            _encode(k[:, :, :p], config.k_bits, group_size, QuantMode.CHANNEL),
-            _encode(v[:, :, :p], config.v_bits, group_size, QuantMode.TOKEN),
-            _fresh(k[:, :, p:]), _fresh(v[:, :, p:]), pos,
+            _encode(ks[:, :, :p], config.k_bits, group_size, QuantMode.CHANNEL),
+            _encode(vs[:, :, :p], config.v_bits, group_size, QuantMode.TOKEN),
+            _fresh(ks[:, :, p:]), _fresh(vs[:, :, p:]), pos, k.dtype,
         )
 
     @property
@@ -121,11 +149,13 @@ class PackedKV:
         return self.num_packed + self.k_res.shape[2]
 
     @property
-    def dtype(self) -> torch.dtype:
+    def raw_dtype(self) -> torch.dtype:
+        """What raw K/V (16-bit sides, the residual window) are stored in: ``storage_dtype(self.dtype)``."""
         return self.k_res.dtype
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V: [B, H, n, D] of every held token (packed part dequantized, then the residual window)."""
+        """K, V: [B, H, n, D] in ``dtype`` (default: the model's) of every held token (packed part dequantized, then
+        the residual window)."""
         dtype = dtype or self.dtype
         k = torch.cat([_decode(self.k_packed, dtype), self.k_res.to(dtype)], dim=2)
         v = torch.cat([_decode(self.v_packed, dtype), self.v_res.to(dtype)], dim=2)
@@ -141,13 +171,16 @@ class PackedKV:
         decode step, so that step never has to branch on whether it fills a group. The packed codes are the
         same either way; only when the last group is quantized differs.
         """
-        k_res = torch.cat([self.k_res, k.to(self.dtype)], dim=2)
-        v_res = torch.cat([self.v_res, v.to(self.dtype)], dim=2)
+        k_res = torch.cat([self.k_res, k.to(self.raw_dtype)], dim=2)
+        v_res = torch.cat([self.v_res, v.to(self.raw_dtype)], dim=2)
         pos = self.positions
         if pos is not None:
             if positions is None:
                 raise MoendError("this layer evicts, so appended tokens need their positions [B, H, L]")
-            pos = torch.cat([pos, positions.to(torch.int32)], dim=2)
+            new = positions if positions.dtype in POSITION_DTYPES else _stored_positions(positions)
+            # the wider of the two types: the context may just have outgrown int16
+            wide = torch.promote_types(pos.dtype, new.dtype)
+            pos = torch.cat([pos.to(wide), new.to(wide)], dim=2)
         r = k_res.shape[2]
         groups = (r - 1) // self.group_size if keep_full else r // self.group_size
         return self._flushed(k_res, v_res, pos, groups * self.group_size if self.config.quantized else 0)

@@ -36,7 +36,9 @@ def test_reference_over_packed_layer_close_to_dense():
     q = rand(1, 9, 1, 64, seed=7)
     exact = attention_dense(q, k, v)
     lossless = reference_attention(q, PackedKV.from_dense(k, v, LayerConfig(1.0, 16, 16)))
-    assert torch.equal(lossless, exact)
+    # a lossless layer is exactly attention over its fp16 copy of K/V (its storage type), read back as fp32
+    assert torch.equal(lossless, attention_dense(q, k.half().float(), v.half().float()))
+    torch.testing.assert_close(lossless, exact, atol=2e-3, rtol=0)  # fp16 rounding: 2^-11 relative per value
     q8 = reference_attention(q, PackedKV.from_dense(k, v, LayerConfig(1.0, 8, 8)))
     rel = (q8 - exact).norm() / exact.norm()
     assert 0 < rel < 0.02  # 8-bit K and V: well under 2% relative error on Gaussian data

@@ -48,7 +48,10 @@ def test_rows_and_ratios(result, model):
         assert full["cache_ratio_model_dtype"] == pytest.approx(1.0)
         assert full["speedup_vs_baseline"] == pytest.approx(1.0)
         comp = rows[("moend_eager", n)]
-        assert comp["cache_bytes"] < full["cache_bytes"] / 2  # keep 0.25 + 4-bit: far smaller
+        # keep 0.25 + 4-bit: far smaller storage; trig without calibrated stats also keeps (and counts) a window
+        # of 32 queries, which on this tiny model is a large share
+        assert comp["cache_bytes"] - comp["scratch_bytes"] < full["cache_bytes"] / 2
+        assert 0 < comp["scratch_bytes"] < comp["cache_bytes"]
         assert comp["plan"] == "3x keep 0.25/K4/V4"
 
 

@@ -16,7 +16,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.eval.steps import prefill
 from moend_fx.eviction.rope import rope_from_model
 from moend_fx.models import tiny_model
-from moend_fx.plan.memory import keep_count, plan_bytes
+from moend_fx.plan.memory import keep_count, plan_layer_bytes
 from moend_fx.plan.routing import LayerConfig
 from tests.cache.test_moend_cache import _ids, _moend, _plan
 
@@ -77,7 +77,10 @@ def test_from_prefill_equals_a_prefill_through_the_model(model, scorer):
         floor = plan.sink_tokens + plan.recent_tokens
         assert built.held_tokens() == [keep_count(T, c.keep_ratio, floor) for c in LOSSY]
         assert built.held_tokens()[3] == floor  # 0.1 x 150 = 15 < the floor
-        assert built.nbytes().total == plan_bytes(plan, T)
+        # the plan's prediction, with this cache's scorer (no calibrated statistics: a query window instead)
+        assert built.nbytes().total == sum(
+            plan_layer_bytes(c, T, plan.fingerprint, group_size=plan.group_size, floor=floor, scorer=scorer,
+                             calibrated=False) for c in LOSSY)
         assert built.get_seq_length() == real.get_seq_length() == T
         # 10 greedy steps, with evictions every 4 steps on both caches
         assert _greedy(model, built, first, 10) == _greedy(model, real, first, 10)
@@ -103,7 +106,8 @@ def test_from_prefill_takes_a_dynamic_cache_and_needs_no_queries_for_keynorm(mod
     finally:
         model.set_attn_implementation("sdpa")
     _assert_same(built, real)
-    assert built.scratch_nbytes() == 0
+    assert built.state_nbytes() == real.state_nbytes() == sum(layer.evictor.rope_offset.nbytes for layer in built.layers
+                                                              if layer.config.evicts)  # keynorm keeps no queries
 
 
 def test_load_prefill_batch_of_two_equals_each_row_alone():

@@ -93,7 +93,8 @@ def test_prepare_feeds_calibrated_query_stats_from_a_table():
     out = _gen(model, return_dict_in_generate=True)
     sc = out.cache.layers[1].scorer
     assert sc.name == "trig" and sc.stats is not None
-    assert out.cache.layers[1].scratch_nbytes() == 0  # calibrated stats: no query window kept
+    assert out.cache.layers[1].evictor.window.nbytes() == 0  # calibrated stats: no query window kept
+    assert out.cache.layers[1].state_nbytes() == sc.stats.nbytes() + 8  # the stats and one row's RoPE offset
     assert sc.rope == rope_from_model(model)
 
 

@@ -88,11 +88,13 @@ def test_override_restores_on_error(model):
         model(input_ids=ids, use_cache=False)  # plain forward works again
 
 
-def test_lossless_config_is_exactly_zero(table):
+def test_lossless_config_costs_only_its_16_bit_storage(table):
+    """keep1_k16_v16 of an fp32 model stores K/V in fp16, as the cache does: its error is that rounding alone
+    (2^-11 of a value; ~1e-4 of the attention output here), below every config that quantizes or evicts."""
     col = table.column(LayerConfig(1.0, 16, 16))
-    assert (col == 0.0).all()  # same code path on identical tensors: bit-identical outputs
+    assert (col > 0).all() and col.max() < 1e-3
     others = np.delete(table.S, table.grid.index(LayerConfig(1.0, 16, 16)), axis=1)
-    assert (others > 0).all()
+    assert (others > col[:, None]).all()
 
 
 def test_monotone_in_keep_ratio(table):
@@ -240,7 +242,7 @@ def test_other_scorers(model, scorer):
     grid = Grid((0.5, 1.0), (16, 4), (16,))
     t = calibrate(model, tokens=96, num_sequences=1, scorer=scorer, grid=grid)
     assert t.calibration["scorer"] == scorer
-    assert t.S.shape == (3, 4) and t.column(LayerConfig(1.0, 16, 16)).max() == 0.0
+    assert t.S.shape == (3, 4) and t.column(LayerConfig(1.0, 16, 16)).max() < 1e-3  # fp16 storage rounding only
     assert (t.column(LayerConfig(0.5, 16, 16)) > 0).all()
 
 

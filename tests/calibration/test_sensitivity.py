@@ -217,3 +217,25 @@ def test_cli_show_table(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["show-table", str(tmp_path / "missing.safetensors")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_bytes_matrix_prices_the_eviction_state_of_the_scorer_the_cache_will_use():
+    from moend_fx.plan.scorer_state import scorer_state_bytes
+
+    table = make_table()
+    base = table.bytes_matrix(512)
+    evicting = np.array([c.evicts for c in table.grid.configs])
+    kw = dict(num_heads=FP.num_heads, head_dim=FP.head_dim)
+    storage = np.array([plan_layer_bytes(c, 512, FP, scorer=None) for c in table.grid.configs])
+    # the table's own scorer, trig, with its calibrated statistics: stats + one RoPE offset per evicting layer
+    stats = scorer_state_bytes(LayerConfig(0.5, 4, 4), 512, scorer="trig", **kw)
+    assert stats == FP.num_heads * (FP.head_dim // 2) * 24 + 8
+    assert (base[0] == storage + evicting * stats).all()
+    # a cache that overrides the scorer with snapkv keeps a 32-query window instead
+    snap = table.priced_for("snapkv", calibrated=False).bytes_matrix(512)
+    window = scorer_state_bytes(LayerConfig(0.5, 4, 4), 512, scorer="snapkv", **kw)
+    assert window == 8 + FP.num_heads * 32 * FP.head_dim * 2 + 32 * 4 + 32 * 4
+    assert (snap[0] == storage + evicting * window).all()
+    assert table.priced_for("snapkv", calibrated=False) == table  # pricing is not part of the table's data
+    no_stats = make_table(with_stats=False)
+    assert (no_stats.bytes_matrix(512)[0] == snap[0]).all()  # trig without statistics keeps the same window

@@ -52,11 +52,11 @@ def _check_report(out: str) -> None:
 
 
 def test_generate_with_budget_and_table(folder, table_file, capsys):
-    code, out, err = _run(capsys, "--model", str(folder), "--budget", "4x", "--table", str(table_file),
+    code, out, err = _run(capsys, "--model", str(folder), "--budget", "3x", "--table", str(table_file),
                           "--prompt", PROMPT, "--max-new-tokens", "8")
     assert code == 0, err
     _check_report(out)
-    assert f"greedy for budget 4x on {table_file}" in out
+    assert f"greedy for budget 3x on {table_file}" in out
 
 
 def test_generate_with_plan_file(folder, tmp_path, capsys):
@@ -74,7 +74,7 @@ def test_generate_with_plan_file(folder, tmp_path, capsys):
 def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MOEND_CACHE", str(tmp_path / "cache"))
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
-                          "--calib-tokens", "96", "--quiet", "--budget", "4x")
+                          "--calib-tokens", "96", "--quiet", "--budget", "3x")
     assert code == 0, err
     assert "calibrating on 96 tokens" in err
     saved = default_table_path(str(folder), 96)
@@ -82,7 +82,7 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
     assert saved.is_file() and "just calibrated" in out
     # second time the saved table is reused, no calibration
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
-                          "--calib-tokens", "96", "--quiet", "--budget", "4x")
+                          "--calib-tokens", "96", "--quiet", "--budget", "3x")
     assert code == 0 and "calibrating" not in err and str(saved) in out
     # a table calibrated with other scorer options (an older version) is skipped and calibrated again
     import dataclasses
@@ -92,7 +92,7 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
     old = SensitivityTable.load(saved)
     dataclasses.replace(old, calibration={**old.calibration, "scorer_options": {"pooling": "none"}}).save(saved)
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
-                          "--calib-tokens", "96", "--quiet", "--budget", "4x")
+                          "--calib-tokens", "96", "--quiet", "--budget", "3x")
     assert code == 0 and "skipping" in err and "scorer options" in err and "calibrating on 96 tokens" in err
     assert "just calibrated" in out
 

@@ -24,7 +24,11 @@ def test_push_keeps_the_last_size_queries_in_order():
     assert win.positions.tolist() == [[2, 3, 4, 5], [-1, 0, 1, 2]]
     _push(win, 6, 9)  # a long chunk replaces the window
     assert win.slots.tolist() == [11, 12, 13, 14]
-    assert win.nbytes() == 2 * 4 * 4 + 2 * 4 * 8 and win.tensors() == [win.queries]
+    # 16-bit queries [2, 1, 4, 1], int32 slots [4] and positions [2, 4]: each its own storage
+    assert win.nbytes() == 2 * 4 * 2 + 4 * 4 + 2 * 4 * 4 and win.tensors() == [win.queries]
+    assert win.nbytes() == QueryWindow.bytes_for(batch=2, num_heads=1, head_dim=1, seen=15, size=4)
+    assert win.queries.dtype == torch.float16 and win.select()[0].dtype == torch.float32
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in (win.queries, win.slots, win.positions))
 
 
 def test_select_and_index_batch():

@@ -94,6 +94,27 @@ def test_half_precision_model_dtype(dtype):
     torch.testing.assert_close(out.float(), reference_attention(q, layer).float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kb, vb", [(16, 4), (8, 16), (16, 16)])
+def test_fp32_query_over_16_bit_storage(kb, vb):
+    """An fp32 model's layer keeps raw K/V in fp16: every path reads them as stored and answers in fp32."""
+    layer = make_layer(6, 1, 2, 70, 32, kb, vb)
+    assert layer.k_res.dtype == torch.float16 and layer.dtype == torch.float32
+    q = torch.randn(1, 4, 2, 32)
+    ref = reference_attention(q, layer)
+    for kernel in ("cpu", "auto", "reference"):
+        out = packed_attention(q, layer, kernel=kernel)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)  # the same fp16 values widened: fp32 reordering
+
+
+def test_raw_side_stored_unlike_its_residual_is_an_error():
+    layer = make_layer(7, 1, 2, 70, 32, 16, 4)
+    t = list(layer_tensors(layer))
+    t[0] = t[0].float()  # raw K in fp32 beside an fp16 residual window: the kernels read one type per side
+    with pytest.raises(MoendError, match="k_packed .16-bit, raw. must be a float type, that of k_res"):
+        torch.ops.moend.packed_attention(torch.randn(1, 4, 1, 32), *t, 16, 4, 32, 0.25, True)
+
+
 def test_custom_scale_and_no_causal_chunk():
     layer = make_layer(5, 1, 1, 40, 16, 8, 8)
     q = torch.randn(1, 2, 4, 16)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from moend_fx.passes import PASSES, run_passes
-from moend_fx.passes.common import META_LAYER, META_SKIP, META_VARIANT, is_dequantize, is_sdpa
+from moend_fx.passes.common import META_LAYER, META_SKIP, META_VARIANT, is_dequantize, is_sdpa, value
 from moend_fx.passes.fuse_quantized_attention import fuse_quantized_attention
 from torch._dynamo.exc import BackendCompilerFailed
 
@@ -53,6 +53,38 @@ def test_one_packed_op_per_quantized_layer(tokens, dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(gm(*inputs)[0], want, **tol)
+
+
+def test_16_bit_storage_is_read_through_its_cast_to_fp32():
+    """An fp32 model stores raw K/V (residual windows, a 16-bit side) in fp16 and the graph widens them for SDPA
+    (promoting cat, cast of a raw side's cat): the fused op takes the stored fp16 graph inputs themselves."""
+    model = ToyDecoder(3)
+    cache = make_cache(CONFIGS["mixed"])  # k4/v8, 16/16, k16/v2
+    gm, _, _ = fused_graph(model, rand(1, 1, HIDDEN), cache)
+    fused = [n for n in gm.graph.nodes if str(n.target) == PACKED]
+    assert len(fused) == 2
+    for node in fused:
+        raw = [node.args[i] for i in (7, 8)] + ([node.args[1]] if node.meta[META_VARIANT].startswith("attn_k16")
+                                              else [])
+        assert all(a.op == "placeholder" and value(a).dtype == torch.float16 for a in raw)
+    casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert len(casts) == 2  # only the 16/16 layer's K and V (the cast of each cat), which SDPA still reads
+
+
+def test_a_raw_side_stored_unlike_its_residual_is_not_fused():
+    layer = make_cache(CONFIGS["two"])[0]  # k8/v4
+    q = rand(1, 4, 1, 8)
+
+    def fn(q, k_raw, k_res, v_codes, v_scale, v_zero, v_res):
+        k = torch.cat([k_raw, k_res.float()], dim=2)  # fp32 raw K beside an fp16 residual
+        v = torch.cat([torch.ops.moend.dequantize(v_codes, v_scale, v_zero, 4, 32, 1, 8, torch.float32),
+                       v_res.float()], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    k_raw = layer.dequantize()[0][:, :, :64]
+    gm, _, _ = fused_graph(fn, q, k_raw, layer.k_res, *layer.v_packed.tensors(), layer.v_res)
+    assert PACKED not in targets(gm)
+    assert skip_reasons(gm) == ["raw K has dtype torch.float32, its residual window torch.float16"]
 
 
 def test_matches_reference_attention_with_gqa_and_batch():

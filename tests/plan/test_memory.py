@@ -16,6 +16,7 @@ from moend_fx.plan.memory import (
     plan_layer_bytes,
 )
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
+from moend_fx.plan.scorer_state import scorer_state_bytes
 from moend_fx.storage.packed import PackedKV
 
 SMOL = ModelFingerprint("LlamaForCausalLM", 30, 3, 64, 9, "float32")
@@ -25,18 +26,40 @@ CONFIGS = Grid(k_bits=(16, 8, 4, 2), v_bits=(16, 8, 4, 2)).configs
 @given(
     config=st.sampled_from(CONFIGS), tokens=st.integers(1, 300), b=st.integers(1, 2), h=st.integers(1, 3),
     d=st.sampled_from([16, 32, 64]), g=st.sampled_from([8, 16, 32, 64]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 999),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 999),
 )
 def test_packed_storage_equals_memory_model_to_the_byte(config, tokens, b, h, d, g, dtype, seed):
     n = keep_count(tokens, config.keep_ratio)
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(b, h, n, d, generator=gen).to(dtype)
     v = torch.randn(b, h, n, d, generator=gen).to(dtype)
-    pos = torch.arange(n).expand(b, h, n) if config.evicts else None
+    # the newest slots are kept (as the recent window is): positions end at tokens - 1
+    pos = torch.arange(tokens - n, tokens).expand(b, h, n) if config.evicts else None
     layer = PackedKV.from_dense(k, v, config, g, pos)
-    eb = torch.empty((), dtype=dtype).element_size()
-    predicted = layer_bytes(config, tokens, kv_heads=h, head_dim=d, batch=b, group_size=g, dtype_bytes=eb)
+    predicted = layer_bytes(config, tokens, kv_heads=h, head_dim=d, batch=b, group_size=g, dtype=dtype)
     assert layer.nbytes() == predicted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", torch.float32])
+def test_raw_storage_costs_two_bytes_whatever_the_model_dtype(dtype):
+    """16-bit sides and the residual are stored in 16 bits: the model's dtype moves no byte (issue 12)."""
+    c = LayerConfig(0.5, 16, 4)
+    parts = layer_bytes_breakdown(c, 100, kv_heads=1, head_dim=64, dtype=dtype)
+    assert parts["k_codes"] == 32 * 64 * 2 and parts["residual"] == 2 * 18 * 64 * 2
+    assert layer_bytes(c, 100, kv_heads=1, head_dim=64, dtype=dtype) == sum(parts.values())
+
+
+@pytest.mark.parametrize("tokens, position_bytes", [(32767, 2), (32768, 2), (32769, 4), (70000, 4)])
+def test_position_bytes_follow_the_context(tokens, position_bytes):
+    """int16 positions while the layer's slots fit (largest position 32767), int32 past that."""
+    c = LayerConfig(0.1, 4, 4)
+    n = keep_count(tokens, 0.1)
+    assert layer_bytes_breakdown(c, tokens, kv_heads=3, head_dim=64)["positions"] == 3 * n * position_bytes
+    assert layer_bytes_breakdown(c, 0, kv_heads=3, head_dim=64, kept=n, slots=tokens)["positions"] == (
+        3 * n * position_bytes)
+    k = torch.zeros(1, 1, n, 16)
+    layer = PackedKV.from_dense(k, k, c, 32, torch.arange(tokens - n, tokens).expand(1, 1, n))
+    assert layer.nbytes() == layer_bytes(c, tokens, kv_heads=1, head_dim=16)
 
 
 def test_keep_count_rounding_and_clamp():
@@ -67,15 +90,31 @@ def test_keep_count_floor_is_max_of_ratio_and_clamped_floor(tokens, keep, floor)
 def test_plan_byte_predictions_use_the_plans_floor():
     plan = RoutingPlan.uniform(LayerConfig(0.1, 4, 4), SMOL, 2048)
     assert keep_floor(plan) == DEFAULT_KEEP_FLOOR == 36
-    kw = dict(kv_heads=3, head_dim=64, dtype_bytes=4)
+    kw = dict(kv_heads=3, head_dim=64)
+    # calibrated trig (the plan's scorer): 9 heads x 32 frequencies x 3 float64 of statistics + 1 int64 RoPE offset
+    state = 9 * 32 * 3 * 8 + 8
+    assert scorer_state_bytes(LayerConfig(0.1, 4, 4), 6, scorer="trig", num_heads=9, head_dim=64) == state
     for t in (6, 40):
-        per = layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=min(t, 36), **kw)
+        per = layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=min(t, 36), **kw) + state
         assert plan_bytes(plan, t) == 30 * per
         assert plan_layer_bytes(LayerConfig(0.1, 4, 4), t, SMOL) == per
     # at the plan's own length nothing moves (205 > 36 kept tokens)
-    assert plan_bytes(plan) == 30 * layer_bytes(LayerConfig(0.1, 4, 4), 2048, **kw)
+    assert plan_bytes(plan) == 30 * (layer_bytes(LayerConfig(0.1, 4, 4), 2048, **kw) + state)
     other = RoutingPlan.uniform(LayerConfig(0.1, 4, 4), SMOL, 2048, sink_tokens=2, recent_tokens=8)
-    assert plan_bytes(other, 40) == 30 * layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=10, **kw)
+    assert plan_bytes(other, 40) == 30 * (layer_bytes(LayerConfig(0.1, 4, 4), 0, kept=10, **kw) + state)
+
+
+def test_eviction_state_bytes_by_scorer():
+    cfg, kw = LayerConfig(0.5, 4, 4), dict(num_heads=9, head_dim=64, batch=2)
+    assert scorer_state_bytes(LayerConfig(1.0, 4, 4), 100, scorer="snapkv", **kw) == 0  # keeps every token
+    assert scorer_state_bytes(cfg, 100, scorer=None, **kw) == 0
+    assert scorer_state_bytes(cfg, 100, scorer="keynorm", **kw) == 16  # two rows' RoPE offsets only
+    # a query window: 2 rows x 9 heads x W queries x 64 channels in 16 bits, W int32 slots, 2 x W int32 positions
+    for seen, w in ((10, 10), (100, 32)):
+        window = 2 * 9 * w * 64 * 2 + w * 4 + 2 * w * 4
+        assert scorer_state_bytes(cfg, seen, scorer="snapkv", **kw) == 16 + window
+        assert scorer_state_bytes(cfg, seen, scorer="trig", calibrated=False, **kw) == 16 + window
+    assert scorer_state_bytes(cfg, 100, scorer="snapkv", window=8, **kw) == 16 + 2 * 9 * 8 * 128 + 32 + 64
 
 
 def test_uniform_prices_its_bytes_with_its_own_floor():
@@ -86,13 +125,16 @@ def test_uniform_prices_its_bytes_with_its_own_floor():
     other = RoutingPlan.uniform(c, SMOL, 40, sink_tokens=2, recent_tokens=8)
     assert default.budget_bytes == default.bytes_planned == plan_bytes(default)
     assert other.budget_bytes == other.bytes_planned == plan_bytes(other) != default.budget_bytes
-    kw = dict(kv_heads=3, head_dim=64, dtype_bytes=4)
-    assert plan_bytes(other) == 30 * layer_bytes(c, 0, kept=10, **kw)
+    kw = dict(kv_heads=3, head_dim=64)
+    state = 9 * 32 * 3 * 8 + 8  # calibrated trig's statistics + one RoPE offset per evicting layer
+    assert plan_bytes(other) == 30 * (layer_bytes(c, 0, kept=10, **kw) + state)
 
 
-def test_lossless_layer_is_plain_cache_size():
-    b = layer_bytes(LayerConfig(1.0, 16, 16), 2048, kv_heads=3, head_dim=64, dtype_bytes=4)
-    assert b == full_cache_bytes(SMOL, 2048, dtype=None) // 30
+def test_lossless_layer_is_a_16_bit_cache_whatever_the_model_dtype():
+    """keep1_k16_v16 of an fp32 model costs exactly the 16-bit base budgets are measured against (1x)."""
+    b = layer_bytes(LayerConfig(1.0, 16, 16), 2048, kv_heads=3, head_dim=64, dtype="float32")
+    assert b == full_cache_bytes(SMOL, 2048) // 30 == full_cache_bytes(SMOL, 2048, dtype=None) // 60
+    assert plan_layer_bytes(LayerConfig(1.0, 16, 16), 2048, SMOL) == b
 
 
 def test_full_cache_bases_match_design_md():
@@ -107,8 +149,8 @@ def test_breakdown_parts():
     assert parts["k_codes"] == 32 * 64 // 2
     assert parts["v_codes"] == 32 * 64
     assert parts["scales"] == (1 * 64 + 32 * 2) * 2 * 2
-    assert parts["residual"] == 2 * 18 * 64 * 4
-    assert parts["positions"] == 50 * 4
+    assert parts["residual"] == 2 * 18 * 64 * 2  # fp16, whatever the model dtype
+    assert parts["positions"] == 50 * 2  # int16: 100 slots
 
 
 def test_parse_budget_forms():

@@ -16,12 +16,48 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_lossless_is_exact():
+def test_lossless_is_exact_up_to_its_16_bit_storage():
+    """An fp32 layer stores K/V as their fp16 copy and gives that back exactly, in fp32."""
     k, v = rand(2, 3, 45, 16, seed=1), rand(2, 3, 45, 16, seed=2)
     layer = PackedKV.from_dense(k, v, LayerConfig(1.0, 16, 16))
     k2, v2 = layer.dequantize()
-    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert k2.dtype == torch.float32 and layer.dtype == torch.float32 and layer.k_res.dtype == torch.float16
+    assert torch.equal(k2, k.half().float()) and torch.equal(v2, v.half().float())
     assert layer.positions is None and layer.num_packed == 0
+
+
+@pytest.mark.parametrize("dtype, stored", [(torch.float32, torch.float16), (torch.float16, torch.float16),
+                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("config", [LayerConfig(1.0, 16, 16), LayerConfig(0.5, 16, 4), LayerConfig(0.5, 8, 16)])
+def test_raw_sides_and_residual_are_stored_in_16_bits(dtype, stored, config):
+    k, v = rand(2, 3, 70, 16, seed=1).to(dtype), rand(2, 3, 70, 16, seed=2).to(dtype)
+    pos = torch.arange(70).expand(2, 3, 70) if config.evicts else None
+    layer = PackedKV.from_dense(k, v, config, 32, pos)
+    raw = [b for b in layer.blocks() if isinstance(b, torch.Tensor)] + list(layer.residuals())
+    assert len(raw) == 2 + (config.k_bits == 16) + (config.v_bits == 16)
+    assert all(t.dtype == stored for t in raw) and layer.raw_dtype == stored
+    assert all(t.dtype == dtype for t in layer.dequantize())  # handed back in the model's dtype
+    grown = layer.append(k[:, :, :3], v[:, :, :3], pos[..., :3] if config.evicts else None)
+    assert grown.k_res.dtype == stored and grown.dtype == dtype
+    assert layer.nbytes() == layer_bytes(config, 70, kv_heads=3, head_dim=16, batch=2, dtype=dtype, kept=70)
+
+
+def test_positions_are_int16_until_the_context_outgrows_it():
+    """int16 while every position fits (slots 0..32767), int32 after; an append that crosses the line widens the
+    stored positions, and the bytes follow the memory model either side of it."""
+    config = LayerConfig(0.5, 4, 4)
+    n = 40
+    k, v = rand(1, 2, n + 2, 16, seed=3), rand(1, 2, n + 2, 16, seed=4)
+    below = torch.arange(32768 - n, 32768).expand(1, 2, n)  # largest position 32767
+    layer = PackedKV.from_dense(k[:, :, :n], v[:, :, :n], config, 32, below)
+    assert layer.positions.dtype == torch.int16 and torch.equal(layer.positions.long(), below)
+    assert layer.nbytes() == layer_bytes(config, 0, kv_heads=2, head_dim=16, kept=n, slots=32768)
+    new = torch.tensor([32768, 32769], dtype=torch.int32).expand(1, 2, 2)  # what the cache layer makes there
+    grown = layer.append(k[:, :, n:], v[:, :, n:], new)
+    assert grown.positions.dtype == torch.int32 and grown.positions[0, 0, -3:].tolist() == [32767, 32768, 32769]
+    assert grown.nbytes() == layer_bytes(config, 0, kv_heads=2, head_dim=16, kept=n + 2, slots=32770)
+    above = PackedKV.from_dense(k[:, :, :n], v[:, :, :n], config, 32, below + 1)  # largest position 32768
+    assert above.positions.dtype == torch.int32
 
 
 @given(config=st.sampled_from(CONFIGS), n0=st.integers(1, 70), steps=st.lists(st.integers(1, 9), max_size=8),
@@ -44,7 +80,7 @@ def test_append_matches_one_shot_and_memory_model(config, n0, steps, seed):
     for a, b in zip(layer.dequantize(), once.dequantize()):
         assert torch.equal(a, b)
     if config.evicts:
-        assert torch.equal(layer.positions, pos.to(torch.int32))
+        assert torch.equal(layer.positions, pos.to(torch.int16))
 
 
 @given(config=st.sampled_from(CONFIGS), n0=st.integers(1, 70), steps=st.lists(st.integers(1, 9), max_size=8),
@@ -76,7 +112,7 @@ def test_residual_strides_do_not_depend_on_its_length(r):
     k, v = rand(2, 3, 64 + r, 16, seed=5), rand(2, 3, 64 + r, 16, seed=6)
     layer = PackedKV.from_dense(k, v, LayerConfig(1.0, 4, 8), 32)
     assert layer.k_res.shape == (2, 3, r, 16) and layer.k_res.stride() == (48, 16, 96, 1)
-    assert layer.k_res.storage_offset() == 0 and torch.equal(layer.k_res, k[:, :, 64:])
+    assert layer.k_res.storage_offset() == 0 and torch.equal(layer.k_res, k[:, :, 64:].half())
     grown = layer.append(k[:, :, :1], v[:, :, :1])
     assert grown.k_res.stride() == (48, 16, 96, 1)
     empty = PackedKV.from_dense(k[:, :, :5], v[:, :, :5], LayerConfig(1.0, 4, 8), 32)
@@ -91,8 +127,8 @@ def test_gather_tokens_keeps_positions_and_values():
     kept = PackedKV.from_dense(gather_tokens(k, idx), gather_tokens(v, idx), LayerConfig(0.5, 16, 16), 32,
                                gather_tokens(pos, idx))
     assert torch.equal(kept.positions.long(), pos.gather(2, idx))
-    assert torch.equal(kept.dequantize()[0][0, 1], k[0, 1, 1::2])
-    assert torch.equal(kept.dequantize()[1][0, 0], v[0, 0, 0::2])
+    assert torch.equal(kept.dequantize()[0][0, 1], k[0, 1, 1::2].half().float())  # as stored: fp16
+    assert torch.equal(kept.dequantize()[1][0, 0], v[0, 0, 0::2].half().float())
 
 
 def test_index_batch_and_tensors():

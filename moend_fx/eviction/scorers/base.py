@@ -42,6 +42,28 @@ class Scorer:
         return True
 
     @classmethod
+    def reads_queries(cls, *, calibrated: bool) -> bool:
+        """Whether a scorer of this class built for a layer reads queries (so the layer keeps a query window);
+        ``calibrated``: the layer has calibrated query statistics. What the memory model prices a plan by; an
+        instance's :attr:`needs_queries` agrees."""
+        return True
+
+    @classmethod
+    def state_bytes(cls, *, num_heads: int, head_dim: int, calibrated: bool) -> int:
+        """Bytes of the tensors a scorer of this class holds for one layer (not counting the query window), for
+        a model with ``num_heads`` query heads of ``head_dim``; :meth:`nbytes` of an instance agrees."""
+        return 0
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether this scorer holds calibrated query statistics (what :meth:`state_bytes` is asked about)."""
+        return False
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this scorer holds (a cache layer that holds it keeps them alive)."""
+        return 0
+
+    @classmethod
     def layer_options(cls, *, rope: RopeSpec | None, stats: QueryStats | None, query_window: int) -> dict[str, Any]:
         """The options this scorer is built with for one cache layer (and for calibration, which must score the
         same way), from that layer's RoPE, calibrated query ``stats`` and ``query_window``. Default: none."""
@@ -59,6 +81,10 @@ class KeysOnlyScorer(Scorer):
 
     @property
     def needs_queries(self) -> bool:
+        return False
+
+    @classmethod
+    def reads_queries(cls, *, calibrated: bool) -> bool:
         return False
 
     def score(self, keys: Tensor, values: Tensor, *, queries: Tensor | None = None, key_positions: Tensor,

@@ -110,6 +110,22 @@ class TrigScorer(Scorer):
         return self.stats is None
 
     @classmethod
+    def reads_queries(cls, *, calibrated: bool) -> bool:
+        return not calibrated
+
+    @classmethod
+    def state_bytes(cls, *, num_heads: int, head_dim: int, calibrated: bool) -> int:
+        """The calibrated statistics it holds (float64 sums: ``QueryStats.bytes_for``), else nothing."""
+        return QueryStats.bytes_for(num_heads, head_dim) if calibrated else 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.stats is not None
+
+    def nbytes(self) -> int:
+        return 0 if self.stats is None else self.stats.nbytes()
+
+    @classmethod
     def layer_options(cls, *, rope: RopeSpec | None, stats: QueryStats | None, query_window: int) -> dict[str, Any]:
         """The model's RoPE and the layer's calibrated statistics (None: estimated from the query window)."""
         return {"rope": rope, "stats": stats}
