@@ -46,20 +46,13 @@ class PlanShape(Protocol):
     A protocol rather than the class itself: the routing plan prices its own bytes here, so this module must
     not import it back."""
 
-    @property
-    def layers(self) -> Sequence[LayerConfig]: ...
-    @property
-    def fingerprint(self) -> ModelFingerprint: ...
-    @property
-    def context_length(self) -> int: ...
-    @property
-    def group_size(self) -> int: ...
-    @property
-    def sink_tokens(self) -> int: ...
-    @property
-    def recent_tokens(self) -> int: ...
-    @property
-    def scorer(self) -> str: ...
+    layers: Sequence[LayerConfig]
+    fingerprint: ModelFingerprint
+    context_length: int
+    group_size: int
+    sink_tokens: int
+    recent_tokens: int
+    scorer: str
 
 
 def keep_count(tokens: int, keep_ratio: float, floor: int = 0) -> int:
