@@ -1,8 +1,9 @@
-"""Shared test settings: small hypothesis budgets keep the suite fast on 2 cores."""
+"""Shared test settings: small hypothesis budgets keep the suite fast on 2 cores; the session-wide real models."""
 
 import os
 import tempfile
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -18,3 +19,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Two pytest workers share two cores: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("MOEND_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """``(model, tokenizer)`` of the embedded Qwen2.5-Coder-0.5B-Instruct (fp32, ~2.5 GB), loaded once per session
+    (per xdist worker); the first use on a fresh cache converts it (~90 s), `make install` does that already."""
+    from moend_fx.models import load_model
+
+    return load_model("qwen2.5-0.5b")

