@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 
 from moend_fx.calibration.sensitivity import SensitivityTable
-from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path
+from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path, table_context_length
 from moend_fx.cli.args import csv_list, names, positive_int
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.options import ScorerName
 from moend_fx.plan.config import LayerConfig
+from moend_fx.plan.memory import DEFAULT_KEEP_FLOOR, full_cache_bytes, keep_count, plan_layer_parts
+from moend_fx.plan.summary import parts_cells, parts_header
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -72,6 +74,31 @@ def table_text(table: SensitivityTable) -> str:
     return "\n".join(lines)
 
 
+def table_parts(table: SensitivityTable, context_length: int) -> dict[LayerConfig, dict[str, int]]:
+    """Bytes by part of one layer for each config of the table's grid at ``context_length`` tokens, priced as
+    :meth:`SensitivityTable.bytes_matrix` prices them (the table's scorer, with its query statistics when it has
+    them). Every layer has the same shape, so one layer's parts stand for every layer's."""
+    scorer = str(table.calibration.get("scorer", ScorerName.TRIG))
+    return {c: plan_layer_parts(c, context_length, table.fingerprint, group_size=table.group_size, scorer=scorer,
+                                calibrated=table.has_stats())
+            for c in table.grid.configs}
+
+
+def table_bytes_text(table: SensitivityTable, context_length: int) -> str:
+    """:func:`table_parts` as text, one row per config: tokens kept, bytes by part, total and ``vs 16-bit`` (the
+    layer's 16-bit cache of ``context_length`` tokens over its bytes)."""
+    fp = table.fingerprint
+    full16 = full_cache_bytes(fp, context_length) / fp.num_layers
+    stats = "with" if table.has_stats() else "without"
+    lines = [f"bytes of one layer by part at {context_length} tokens, batch 1 (the same on every layer)",
+             f"scorer state: {table.calibration.get('scorer', ScorerName.TRIG)} {stats} calibrated query statistics",
+             f"{'config':<16} {'kept':>6} {parts_header()} {'vs 16-bit':>9}"]
+    for c, parts in table_parts(table, context_length).items():
+        kept = keep_count(context_length, c.keep_ratio, DEFAULT_KEEP_FLOOR)
+        lines.append(f"{c.name:<16} {kept:>6} {parts_cells(parts)} {full16 / sum(parts.values()):>8.2f}x")
+    return "\n".join(lines)
+
+
 def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
     """Heatmap of log10 S: layers (rows) x configs (columns), written atomically."""
 
@@ -100,11 +127,15 @@ def heatmap_png(table: SensitivityTable, path: str | Path) -> Path:
 
 def cmd_show_table(args: argparse.Namespace) -> int:
     table = SensitivityTable.load(args.table)
+    ctx = table_context_length(table)
     print(table_text(table))
+    print()
+    print(table_bytes_text(table, ctx))
     if args.png:
         print(f"heatmap: {heatmap_png(table, args.png)}")
     if args.json:
-        print(json.dumps({**table.summary(), "S": table.S.tolist()}, indent=2))
+        parts = {"context_length": ctx, "configs": {c.name: p for c, p in table_parts(table, ctx).items()}}
+        print(json.dumps({**table.summary(), "S": table.S.tolist(), "bytes_by_part": parts}, indent=2))
     return 0
 
 

@@ -17,7 +17,8 @@ from moend_fx.cli.args import csv_list, int_list, names
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_TOKENS
 from moend_fx.common.errors import MoendError
-from moend_fx.plan.memory import format_bytes
+from moend_fx.plan.memory import format_bytes, keep_count, keep_floor, plan_parts
+from moend_fx.plan.summary import parts_cells, parts_header, parts_shares, sum_parts
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import SolveResult, full_cache_figures
 from moend_fx.solvers.optuna_search import Sampler
@@ -42,21 +43,30 @@ def _optuna_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plan_table_text(res: SolveResult, table: SensitivityTable) -> str:
-    """The per-layer plan (layer, keep, K bits, V bits, bytes, predicted loss) and totals."""
+    """The per-layer plan (layer, config, tokens kept, bytes by part, predicted loss), a totals row, each part's
+    share of the total, and the plan's figures. The parts are priced as the solver priced the plan (the table's
+    scorer, with its query statistics when it has them), so the totals row is ``res.bytes_used``."""
     plan = res.plan
-    B = table.bytes_matrix(plan.context_length)
-    lines = [f"{'layer':>5} {'keep':>5} {'K':>3} {'V':>3} {'bytes':>12} {'pred. loss':>11}"]
-    for l, (c, i) in enumerate(zip(plan.layers, res.indices)):
-        lines.append(f"{l:>5} {c.keep_ratio:>5g} {c.k_bits:>3} {c.v_bits:>3} {int(B[l, i]):>12} "
-                     f"{table.S[l, i]:>11.5f}")
-    full = full_cache_figures(table, plan.context_length)
+    ctx, floor = plan.context_length, keep_floor(plan)
+    calibrated = table.has_stats()
+    rows = plan_parts(plan, calibrated=calibrated)
+    lines = [f"{'layer':>5} {'config':<16} {'kept':>6} {parts_header()} {'pred. loss':>10}"]
+    for l, (c, parts) in enumerate(zip(plan.layers, rows)):
+        lines.append(f"{l:>5} {c.name:<16} {keep_count(ctx, c.keep_ratio, floor):>6} {parts_cells(parts)} "
+                     f"{table.S[l, res.indices[l]]:>10.5f}")
+    totals = sum_parts(rows)
+    lines += [f"{'total':<5} {'':<16} {'':>6} {parts_cells(totals)} {res.predicted_loss:>10.5f}",
+              f"{'share':<5} {'':<16} {'':>6} {parts_shares(totals)}"]
+    full = full_cache_figures(table, ctx)
     dtype = table.fingerprint.dtype
+    stats = "with" if calibrated else "without"
     lines += [
         f"total: {res.bytes_used} bytes ({format_bytes(res.bytes_used)}), predicted loss {res.predicted_loss:.5f}",
         f"budget: {res.budget}",
         f"vs full cache: {full['full_16bit'] / res.bytes_used:.2f}x smaller than 16-bit "
         f"({format_bytes(full['full_16bit'])}), {full['full_model_dtype'] / res.bytes_used:.2f}x smaller than "
         f"the model's {dtype} ({format_bytes(full['full_model_dtype'])})",
+        f"bytes at {ctx} tokens, batch 1; scorer state: {plan.scorer} {stats} calibrated query statistics",
         f"solver: {res.solver}, {res.wall_time_s * 1e3:.2f} ms, {res.iterations} iterations"
         + ("" if "optimal" not in res.info else f", optimal: {res.info['optimal']}"),
     ]

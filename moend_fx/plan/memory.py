@@ -105,6 +105,7 @@ def layer_bytes_breakdown(
     kept: int | None = None,
     slots: int | None = None,
     floor: int = 0,
+    positions: bool | None = None,
 ) -> dict[str, int]:
     """Bytes by part for one layer after it has seen ``tokens`` tokens (or holds exactly ``kept``).
 
@@ -113,7 +114,9 @@ def layer_bytes_breakdown(
     slots: the logical slots the layer has handed out (its logical length), which picks the positions' integer
     type; default ``max(tokens, n)``, what a MoENDCache layer has after a prompt of ``tokens`` tokens. A caller
     that gives ``kept`` for a layer past 32768 tokens passes its logical length here.
-    floor: the kept-token floor of :func:`keep_count` (``keep_floor(plan)`` for a MoENDCache layer)."""
+    floor: the kept-token floor of :func:`keep_count` (``keep_floor(plan)`` for a MoENDCache layer).
+    positions: whether the layer stores positions; default ``config.evicts`` (True also for a keep-1.0 layer that
+    has started evicting because it outgrew its byte budget: ``budget_mode="capacity"``)."""
     n = keep_count(tokens, config.keep_ratio, floor) if kept is None else kept
     p, r = split_packed(n, config, group_size)
     d = head_dim
@@ -130,7 +133,7 @@ def layer_bytes_breakdown(
         "v_codes": rows * v_codes,
         "scales": rows * (k_scales + v_scales),
         "residual": rows * 2 * r * d * raw,
-        "positions": rows * n * position_bytes if config.evicts else 0,
+        "positions": rows * n * position_bytes if (config.evicts if positions is None else positions) else 0,
     }
 
 
@@ -139,30 +142,48 @@ def layer_bytes(config: LayerConfig, tokens: int, **kw: Any) -> int:
     return sum(layer_bytes_breakdown(config, tokens, **kw).values())
 
 
-def plan_layer_bytes(
+PARTS: tuple[str, ...] = ("k_codes", "v_codes", "scales", "residual", "positions", "scorer_state")
+"""The parts of :func:`plan_layer_parts`, in the order reports print them."""
+
+
+def plan_layer_parts(
     config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = GROUP_SIZE, batch: int = 1,
     floor: int = DEFAULT_KEEP_FLOOR, scorer: str | None = ScorerName.TRIG, calibrated: bool = True,
     window: int = QUERY_WINDOW,
-) -> int:
-    """Every byte a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens: its storage and
-    its eviction state (:func:`~moend_fx.plan.scorer_state.scorer_state_bytes`: ``scorer``, whether the layer has
-    calibrated query statistics, the query ``window``). ``floor``: the plan's kept-token floor
-    (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
-    state = scorer_state_bytes(config, tokens, scorer=scorer, num_heads=fp.num_heads, head_dim=fp.head_dim,
-                               batch=batch, window=window, calibrated=calibrated)
-    return state + layer_bytes(
-        config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
-        group_size=group_size, dtype=fp.dtype, floor=floor,
-    )
+) -> dict[str, int]:
+    """Every byte a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens, by part
+    (:data:`PARTS`): its storage (:func:`layer_bytes_breakdown`) and its eviction state ``scorer_state``
+    (:func:`~moend_fx.plan.scorer_state.scorer_state_bytes`: ``scorer``, whether the layer has calibrated query
+    statistics, the query ``window``; 0 for a layer that keeps every token). ``floor``: the plan's kept-token
+    floor (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
+    parts = layer_bytes_breakdown(config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
+                                  group_size=group_size, dtype=fp.dtype, floor=floor)
+    parts["scorer_state"] = scorer_state_bytes(config, tokens, scorer=scorer, num_heads=fp.num_heads,
+                                               head_dim=fp.head_dim, batch=batch, window=window,
+                                               calibrated=calibrated)
+    return parts
 
 
-def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1) -> int:
-    """Bytes of the whole plan at ``tokens`` (default: the plan's context length), as a MoENDCache measures
-    them after a prompt of that length (the plan's own kept-token floor included)."""
+def plan_layer_bytes(config: LayerConfig, tokens: int, fp: ModelFingerprint, **kw: Any) -> int:
+    """The sum of :func:`plan_layer_parts` (same arguments): every byte of one MoENDCache layer."""
+    return sum(plan_layer_parts(config, tokens, fp, **kw).values())
+
+
+def plan_parts(plan: PlanShape, tokens: int | None = None, batch: int = 1,
+               calibrated: bool = True) -> list[dict[str, int]]:
+    """:func:`plan_layer_parts` of each layer of ``plan`` at ``tokens`` (default: the plan's context length), as
+    a MoENDCache measures them after a prompt of that length (the plan's own kept-token floor included).
+    calibrated: the cache has calibrated query statistics (what ``prepare(model, plan, table=...)`` gives it
+    from a table that has them; a table without them prices its configs with ``calibrated=False``)."""
     t = plan.context_length if tokens is None else tokens
-    return sum(plan_layer_bytes(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
-                                floor=keep_floor(plan), scorer=plan.scorer)
-               for c in plan.layers)
+    return [plan_layer_parts(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
+                             floor=keep_floor(plan), scorer=plan.scorer, calibrated=calibrated)
+            for c in plan.layers]
+
+
+def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1, calibrated: bool = True) -> int:
+    """Bytes of the whole plan: the sum of :func:`plan_parts` (same arguments)."""
+    return sum(sum(p.values()) for p in plan_parts(plan, tokens, batch, calibrated))
 
 
 def full_cache_bytes(model_or_fp: Any, tokens: int, batch: int = 1, dtype: Any = "16bit") -> int:

@@ -16,12 +16,14 @@ OFFSET_BYTES = 8  # one int64 RoPE offset per batch row
 
 
 def scorer_state_bytes(config: LayerConfig, tokens: int, *, scorer: str | None, num_heads: int, head_dim: int,
-                       batch: int = 1, window: int = QUERY_WINDOW, calibrated: bool = True) -> int:
+                       batch: int = 1, window: int = QUERY_WINDOW, calibrated: bool = True,
+                       evicts: bool | None = None) -> int:
     """Eviction-state bytes of one layer with ``config`` after ``tokens`` queries.
 
     scorer: the scorer name (None or a non-evicting config: 0); num_heads: query heads; calibrated: the layer has
-    calibrated query statistics (``prepare(model, plan, table=...)`` with a table that has them)."""
-    if scorer is None or not config.evicts or tokens <= 0:
+    calibrated query statistics (``prepare(model, plan, table=...)`` with a table that has them); evicts: whether the
+    layer evicts (default ``config.evicts``; True also for a keep-1.0 layer that has started evicting)."""
+    if scorer is None or not (config.evicts if evicts is None else evicts) or tokens <= 0:
         return 0
     # imported here: the eviction stage builds on the plan stage, not the other way round
     from moend_fx.eviction.query_window import QueryWindow

@@ -2,8 +2,10 @@ import pytest
 
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.cli import main
+from moend_fx.plan.memory import PARTS, keep_count, keep_floor, plan_bytes, plan_parts
 from moend_fx.plan.routing import RoutingPlan
 from moend_fx.solvers.synthetic import synthetic_table
+from tests.cli.helpers import parse_rows, with_stats
 
 
 def test_solve_synthetic_writes_plan_and_prints_table(tmp_path, capsys):
@@ -50,3 +52,37 @@ def test_compare_solvers_cli(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 0
     assert (tmp_path / "compare.md").exists() and (tmp_path / "compare.png").exists()
     assert "optuna@5" in capsys.readouterr().out
+
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_solve_prints_bytes_by_part_and_totals_equal_plan_bytes(tmp_path, capsys, stats):
+    table = synthetic_table(6, seed=1)
+    table = with_stats(table) if stats else table
+    path = table.save(tmp_path / "t.safetensors")
+    out = tmp_path / "plan.json"
+    assert main(["solve", "--table", str(path), "--budget", "8x", "--solver", "exact",
+                 "--context-length", "1024", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = RoutingPlan.load(out)
+    header = next(line for line in text.splitlines() if line.startswith("layer"))
+    assert header.split() == ["layer", "config", "kept", "K", "codes", "V", "codes", "scales", "residual",
+                              "positions", "scorer", "total", "pred.", "loss"]
+    rows = parse_rows(text, r"\d+")
+    assert [r[1] for r in rows] == [c.name for c in plan.layers]
+    expect = plan_parts(plan, calibrated=stats)
+    for r, c, parts in zip(rows, plan.layers, expect):
+        assert int(r[2]) == keep_count(1024, c.keep_ratio, keep_floor(plan))
+        cells = [int(x) for x in r[3:10]]
+        assert cells[:6] == [parts[k] for k in PARTS] and sum(cells[:6]) == cells[6]
+    (totals,) = parse_rows(text, "total")
+    total_cells = [int(x) for x in totals[1:8]]
+    assert total_cells[:6] == [sum(int(r[3 + i]) for r in rows) for i in range(6)]
+    # what the solver budgeted and the plan file records; with calibrated statistics, plan_bytes' default
+    assert total_cells[6] == plan.bytes_planned == plan_bytes(plan, calibrated=stats) <= plan.budget_bytes
+    if stats:
+        assert total_cells[6] == plan_bytes(plan)
+    (share,) = parse_rows(text, "share")
+    pct = [float(x.rstrip("%")) for x in share[1:]]
+    assert pct == pytest.approx([100 * v / total_cells[6] for v in total_cells], abs=0.051)
+    assert f"trig {'with' if stats else 'without'} calibrated query statistics" in text

@@ -4,8 +4,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moend_fx.common.errors import BudgetError
+from moend_fx.common.options import ScorerName
 from moend_fx.plan.memory import (
     DEFAULT_KEEP_FLOOR,
+    PARTS,
     full_cache_bytes,
     keep_count,
     keep_floor,
@@ -14,6 +16,8 @@ from moend_fx.plan.memory import (
     parse_budget,
     plan_bytes,
     plan_layer_bytes,
+    plan_layer_parts,
+    plan_parts,
 )
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.plan.scorer_state import scorer_state_bytes
@@ -173,3 +177,37 @@ def test_plan_bytes_uniform():
     plan = RoutingPlan.uniform(LayerConfig(0.25, 4, 4), SMOL, 2048)
     assert plan.budget_bytes == plan_bytes(plan) == plan.bytes_planned
     assert plan_bytes(plan) < full_cache_bytes(SMOL, 2048) / 10
+
+
+@given(config=st.sampled_from(CONFIGS), tokens=st.integers(1, 40000), batch=st.integers(1, 3),
+       scorer=st.sampled_from([None, *(str(s) for s in ScorerName)]), calibrated=st.booleans(),
+       floor=st.integers(0, 64), g=st.sampled_from([16, 32, 64]))
+def test_plan_layer_parts_are_storage_plus_eviction_state(config, tokens, batch, scorer, calibrated, floor, g):
+    """The parts are the storage breakdown plus the scorer state, each counted once, and sum to
+    plan_layer_bytes; a layer that keeps every token holds no eviction state."""
+    kw = dict(group_size=g, batch=batch, floor=floor, scorer=scorer, calibrated=calibrated)
+    parts = plan_layer_parts(config, tokens, SMOL, **kw)
+    assert tuple(parts) == PARTS and min(parts.values()) >= 0
+    storage = layer_bytes_breakdown(config, tokens, kv_heads=3, head_dim=64, batch=batch, group_size=g,
+                                    dtype="float32", floor=floor)
+    assert {k: parts[k] for k in storage} == storage
+    assert parts["scorer_state"] == scorer_state_bytes(config, tokens, scorer=scorer, num_heads=9, head_dim=64,
+                                                       batch=batch, calibrated=calibrated)
+    assert sum(parts.values()) == plan_layer_bytes(config, tokens, SMOL, **kw)
+    if not config.evicts:
+        assert parts["scorer_state"] == 0 and parts["positions"] == 0
+
+
+@pytest.mark.parametrize("tokens", [None, 6, 40, 1000, 2048, 40000])
+def test_plan_parts_sum_to_plan_bytes(tokens):
+    layers = tuple(CONFIGS[(7 * i) % len(CONFIGS)] for i in range(30))
+    plan = RoutingPlan(layers=layers, fingerprint=SMOL, budget_bytes=1, context_length=2048, scorer="snapkv",
+                       sink_tokens=2, recent_tokens=8)
+    for calibrated in (True, False):
+        rows = plan_parts(plan, tokens, calibrated=calibrated)
+        assert len(rows) == 30
+        assert sum(sum(r.values()) for r in rows) == plan_bytes(plan, tokens, calibrated=calibrated)
+        t = 2048 if tokens is None else tokens
+        assert rows == [plan_layer_parts(c, t, SMOL, floor=10, scorer="snapkv", calibrated=calibrated)
+                        for c in layers]
+    assert plan_bytes(plan, tokens) == plan_bytes(plan, tokens, calibrated=True)

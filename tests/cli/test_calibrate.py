@@ -1,0 +1,43 @@
+"""``moend show-table``'s bytes by part (the rest of show-table: tests/calibration/test_sensitivity.py)."""
+
+import json
+
+import pytest
+
+from moend_fx.cli import main
+from moend_fx.plan.config import LayerConfig
+from moend_fx.plan.memory import PARTS, full_cache_bytes, keep_count, plan_layer_parts
+from moend_fx.solvers.synthetic import synthetic_table
+from tests.cli.helpers import parse_rows, with_stats
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_show_table_prints_each_configs_bytes_by_part(tmp_path, capsys, stats):
+    table = synthetic_table(3, seed=4, context_length=512)
+    table = with_stats(table) if stats else table
+    path = table.save(tmp_path / "t.safetensors")
+    assert main(["show-table", str(path), "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "bytes of one layer by part at 512 tokens" in text
+    header = next(line for line in text.splitlines() if line.startswith("config "))
+    assert header.split() == ["config", "kept", "K", "codes", "V", "codes", "scales", "residual", "positions",
+                              "scorer", "total", "vs", "16-bit"]
+    rows = parse_rows(text, r"keep[0-9.]+_k\d+_v\d+")
+    configs = table.grid.configs
+    assert [r[0] for r in rows] == [c.name for c in configs]
+    B = table.bytes_matrix(512)
+    for i, (r, c) in enumerate(zip(rows, configs)):
+        cells = [int(x) for x in r[2:9]]
+        parts = plan_layer_parts(c, 512, table.fingerprint, group_size=table.group_size, scorer="trig",
+                                 calibrated=stats)
+        assert cells[:6] == [parts[k] for k in PARTS]
+        assert cells[6] == sum(cells[:6]) == B[0, i] == B[-1, i]  # what the solver prices, on every layer
+        assert int(r[1]) == keep_count(512, c.keep_ratio, 36)
+        full16 = full_cache_bytes(table.fingerprint, 512) / table.num_layers
+        assert float(r[9].rstrip("x")) == pytest.approx(full16 / cells[6], abs=0.006)
+        if not c.evicts:
+            assert parts["scorer_state"] == parts["positions"] == 0
+    body = json.loads(text[text.index("\n{") + 1:])
+    assert body["bytes_by_part"]["context_length"] == 512
+    assert body["bytes_by_part"]["configs"]["keep0.1_k4_v4"] == plan_layer_parts(
+        LayerConfig(0.1, 4, 4), 512, table.fingerprint, scorer="trig", calibrated=stats)
