@@ -42,6 +42,7 @@ from moend_fx.cache.masks import held_mask, logical_mask
 from moend_fx.cache.prefill_inputs import check_prefill_tensors
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
+from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.evictor import DenseKV, Evictor
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.scorers.base import Scorer
@@ -64,12 +65,15 @@ class MoENDLayer(CacheLayerMixin):
     def __init__(
         self, config: LayerConfig, *, layer_idx: int, group_size: int = GROUP_SIZE, scorer: Scorer | None = None,
         policy: EvictionPolicy | None = None, attention_fn: PackedAttention | None = None,
+        budget: LayerBudget | None = None, spare: Callable[[], Scorer] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.group_size = group_size
-        self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx)
+        self.budget = budget
+        self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx,
+                               budget=budget, spare=spare)
         self.attention_fn: PackedAttention = attention_fn or packed_layer_attention
         self._clear()
 
@@ -190,6 +194,16 @@ class MoENDLayer(CacheLayerMixin):
             stored = 0 if self.packed is None else self.packed.nbytes()
         return stored + self.state_nbytes()
 
+    def model_nbytes(self) -> int:
+        """What the memory model (:attr:`budget`) says the held tokens and the eviction state take: equals
+        :meth:`nbytes` (the budget is the one count the cap, the solvers and this measurement share)."""
+        self.settle()
+        if self.packed is None or self.budget is None:
+            return 0
+        ev = self.evictor
+        return self.budget.held(self.held, self.logical, ev.queries_seen, batch=self.batch_size,
+                                dtype=self.packed.dtype, evicting=ev.evicting)
+
     def state_nbytes(self) -> int:
         """Bytes of the eviction state: the scorer's query window (none for trig with calibrated stats, keynorm,
         streaming), the rows' RoPE offsets and the tensors the scorer holds (trig's calibrated statistics)."""
@@ -240,7 +254,7 @@ class MoENDLayer(CacheLayerMixin):
         self.lazy_initialization(keys, values)
         self.logical = shape.tokens
         if queries is None:
-            self.evictor.unpadded(shape.batch, keys.device)
+            self.evictor.unpadded(shape.batch, keys.device, shape.tokens)
         else:
             # the W queries are those of the prompt's last W slots, as observe sees them in a real prefill
             self.evictor.observe(queries, self.logical, None)

@@ -12,6 +12,7 @@ or simply ``moend_fx.prepare(model, plan)`` then ``model.generate(ids)``. See ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,12 +25,12 @@ from moend_fx.common.checks import check_choice
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import BudgetMode
+from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers import Scorer, build_scorer
-from moend_fx.plan.memory import keep_count, keep_floor, layer_bytes
-from moend_fx.plan.routing import RoutingPlan
-from moend_fx.plan.scorer_state import scorer_state_bytes
+from moend_fx.plan.memory import keep_floor
+from moend_fx.plan.routing import LayerConfig, RoutingPlan
 
 
 class CacheBytes(NamedTuple):
@@ -54,6 +55,17 @@ def _layer_stats(query_stats: Any, layer: int) -> QueryStats | None:
     return stats
 
 
+def _layer_budget(plan: RoutingPlan, config: LayerConfig, scorer: Scorer | None, name: str | Scorer,
+                  window: int) -> LayerBudget:
+    """The memory model of one layer of ``plan``: its scorer's, or for a layer that keeps every token, that of the
+    uncalibrated scorer ``name`` it would start evicting with."""
+    fp = plan.fingerprint
+    scorer_name = str(scorer.name if scorer is not None else getattr(name, "name", name))
+    calibrated = scorer is not None and scorer.calibrated
+    return LayerBudget(config, plan.context_length, fp.num_kv_heads, fp.num_heads, fp.head_dim, plan.group_size,
+                       keep_floor(plan), window, scorer_name, calibrated)
+
+
 class MoENDCache(Cache):
     """Compressed KV cache for one :class:`RoutingPlan` (one :class:`MoENDLayer` per model layer).
 
@@ -61,8 +73,10 @@ class MoENDCache(Cache):
     scorer: overrides ``plan.scorer`` (a name or a :class:`Scorer` used on every layer).
     rope: the model's RoPE (needed by ``trig``); query_stats: calibrated per-layer :class:`QueryStats`
     (list or ``{layer: stats}``); without them ``trig`` estimates them from the last ``window`` queries.
-    evict_every: decode steps between evictions; budget_mode: "ratio" (keep_ratio of the tokens seen) or
-    "capacity" (at most ``max(keep_count(plan.context_length, keep_ratio), floor)`` tokens per evicting layer).
+    budget_mode: "capacity" (default: no layer ever holds more bytes than the plan gives it at
+    ``plan.context_length``, :meth:`budget_bytes`, whatever the length; a layer that keeps every token starts
+    evicting when it outgrows that) or "ratio" (keep_ratio of the tokens seen, re-evicted every ``evict_every``
+    decode steps, growing in between: the plan's bytes hold right after an eviction only). See docs/cache.md.
     An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
     has, when fewer): ``keep_count(T, keep_ratio, floor)``, which the memory model (``plan_bytes``) uses too.
     attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.packed.packed_layer_attention`:
@@ -76,7 +90,7 @@ class MoENDCache(Cache):
 
     def __init__(
         self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
-        query_stats: Any = None, evict_every: int = EVICT_EVERY, budget_mode: str = BudgetMode.RATIO,
+        query_stats: Any = None, evict_every: int = EVICT_EVERY, budget_mode: str = BudgetMode.CAPACITY,
         window: int = QUERY_WINDOW, attention_fn: PackedAttention | None = None,
         scorer_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -89,20 +103,20 @@ class MoENDCache(Cache):
         self.budget_mode = budget_mode
         name = plan.scorer if scorer is None else scorer
         layers = []
-        floor = keep_floor(plan)
         for i, cfg in enumerate(plan.layers):
-            cap = None
-            if budget_mode == BudgetMode.CAPACITY:
-                # a layer that keeps everything cannot evict: its cap stays the plan's context length
-                cap = keep_count(plan.context_length, cfg.keep_ratio)
-                cap = max(cap, floor) if cfg.evicts else cap
-            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, cap)
-            sc = None
+            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens)
+            sc = spare = None
             if cfg.evicts:
                 sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), query_window=window,
                                   **(scorer_kwargs or {}))
-            layers.append(MoENDLayer(cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy,
-                                     attention_fn=attention_fn))
+            elif policy.capped:
+                # built when the layer outgrows its byte budget and starts evicting; without calibrated
+                # statistics, whose bytes the plan did not budget: it scores from the queries it sees from then on
+                spare = functools.partial(build_scorer, name, rope=rope, stats=None, query_window=window,
+                                          **(scorer_kwargs or {}))
+            layers.append(MoENDLayer(
+                cfg, layer_idx=i, group_size=plan.group_size, scorer=sc, policy=policy, attention_fn=attention_fn,
+                budget=_layer_budget(plan, cfg, sc, name, window), spare=spare))
         super().__init__(layers=layers)
 
     @classmethod
@@ -185,22 +199,15 @@ class MoENDCache(Cache):
 
     def model_bytes(self) -> CacheBytes:
         """What the memory model says the held tokens take (``moend_fx.plan.memory.layer_bytes``) plus the eviction
-        state (``moend_fx.plan.scorer_state.scorer_state_bytes``)."""
-        self.settle()
-        fp = self.plan.fingerprint
-        per = []
-        for layer in self.layers:
-            if layer.packed is None:
-                per.append(0)
-                continue
-            sc = layer.evictor.scorer
-            state = 0 if sc is None else scorer_state_bytes(
-                layer.config, layer.logical, scorer=sc.name, num_heads=fp.num_heads, head_dim=fp.head_dim,
-                batch=layer.batch_size, window=layer.policy.window, calibrated=sc.calibrated)
-            per.append(state + layer_bytes(
-                layer.config, 0, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=layer.batch_size,
-                group_size=self.plan.group_size, dtype=layer.packed.dtype, kept=layer.held, slots=layer.logical,
-            ))
+        state (``moend_fx.plan.scorer_state.scorer_state_bytes``), through each layer's ``LayerBudget``."""
+        per = [layer.model_nbytes() for layer in self.layers]
+        return CacheBytes(per, sum(per))
+
+    def budget_bytes(self, batch: int = 1) -> CacheBytes:
+        """The bytes each layer may hold in capacity mode (its plan's bytes at ``plan.context_length`` for
+        ``batch`` rows, in the plan's model dtype): what :meth:`nbytes` never exceeds in that mode."""
+        dtype = self.plan.fingerprint.dtype
+        per = [layer.budget.cap(batch=batch, dtype=dtype) for layer in self.layers]
         return CacheBytes(per, sum(per))
 
     def state_nbytes(self) -> int:

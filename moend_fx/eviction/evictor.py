@@ -12,18 +12,20 @@ nothing reads or writes it between the end of one step and the next update.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import BudgetMode
+from moend_fx.eviction.capacity import LayerBudget
+from moend_fx.eviction.groups import groups_to_keep
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.query_window import QueryWindow
 from moend_fx.eviction.scorers.base import Scorer
-from moend_fx.eviction.selection import select_tokens
+from moend_fx.eviction.selection import select_tokens, token_ranks
 from moend_fx.plan.routing import LayerConfig
-from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.packed import PackedKV, slot_positions
 from moend_fx.storage.tokens import gather_tokens
 
 
@@ -80,24 +82,35 @@ class Evictor:
     """Evicts one layer's tokens: ``policy`` says when and how far, ``scorer`` which tokens (None for a layer
     that keeps every token). Holds the scorer's :class:`QueryWindow` and ``rope_offset`` [B] (slot - RoPE
     position per row: nonzero under left padding), which :meth:`observe` keeps up to date, and counts the decode
-    steps (``decode_steps``) the policy paces re-evictions by."""
+    steps (``decode_steps``) the policy paces re-evictions by.
+
+    budget: the layer's memory model (``capacity`` mode holds the layer to :meth:`LayerBudget.cap`); spare: what
+    builds the scorer a layer that keeps every token starts evicting with when it outgrows that cap."""
 
     def __init__(self, config: LayerConfig, group_size: int, policy: EvictionPolicy, scorer: Scorer | None, *,
-                 layer_idx: int) -> None:
+                 layer_idx: int, budget: LayerBudget | None = None,
+                 spare: Callable[[], Scorer] | None = None) -> None:
         if config.evicts and scorer is None:
             raise MoendError(f"layer {layer_idx} ({config.name}) evicts tokens, so it needs a scorer")
+        if policy.capped and budget is None:
+            raise MoendError(f"layer {layer_idx}: budget_mode='capacity' needs the layer's LayerBudget")
         self.config = config
         self.group_size = group_size
         self.policy = policy
-        self.scorer = scorer
+        self.budget = budget
         self.layer_idx = layer_idx
+        self._scorers = (scorer, spare)
         self.clear()
 
     def clear(self) -> None:
+        self.scorer: Scorer | None = self._scorers[0]
+        self.evicting = self.config.evicts  # a keep-1.0 layer starts evicting when it outgrows its cap
         self.window = QueryWindow(self.policy.window)
         self.rope_offset: torch.Tensor | None = None
         self.evictions = 0
         self.decode_steps = 0
+        self.queries_seen = 0  # queries observed while evicting (what the window's bytes follow)
+        self._check_in = 0  # capacity mode: decode steps until the next fit check
         # A decode step that ran inside a compiled graph left its count and eviction to finish_deferred:
         # (True, the step's bool mask [B, 1, 1, S] or None), else (False, None).
         self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
@@ -112,9 +125,10 @@ class Evictor:
         """After attention of the newest queries q: [B, H, L, D] (the layer now holds ``logical`` slots): record
         each row's RoPE offset from position_ids [B, L'] (None: unchanged, zeros at first) and, when the
         scorer reads queries, push q to the window."""
-        if not self.config.evicts:
+        if not self.evicting:
             return  # a layer that keeps every token never scores: it keeps neither offsets nor queries
         b, _, n_q, _ = q.shape
+        self.queries_seen += n_q
         slots = torch.arange(logical - n_q, logical, device=q.device)
         if position_ids is not None:
             pid = position_ids.to(q.device).long().expand(b, -1)[:, -n_q:]
@@ -124,10 +138,12 @@ class Evictor:
         if self.needs_queries:
             self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
 
-    def unpadded(self, batch: int, device: torch.device) -> None:
-        """A prompt loaded without its queries: rows are unpadded, so every slot is its RoPE position."""
-        if self.config.evicts:
+    def unpadded(self, batch: int, device: torch.device, tokens: int) -> None:
+        """A prompt of ``tokens`` tokens loaded without its queries (its scorer reads none): rows are unpadded, so
+        every slot is its RoPE position."""
+        if self.evicting:
             self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
+            self.queries_seen = tokens
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] of the window and the offsets."""
@@ -169,68 +185,179 @@ class Evictor:
         return self.decode_step(packed, lmask, logical)
 
     def evict(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, *, chunk: bool, logical: int) -> PackedKV:
-        """The layer's storage after evicting when the policy says so: ``kv`` itself (a PackedKV) when nothing is
-        due; a DenseKV is always compressed (evicted or not), so a prompt is quantized once, from exact K/V.
+        """The layer's storage after evicting when the policy (or, in capacity mode, the byte cap) says so:
+        ``kv`` itself (a PackedKV) when nothing is due; a DenseKV is always compressed (evicted or not), so a
+        prompt is quantized once, from exact K/V.
 
         lmask: the step's bool mask [B, 1, L, S=logical] or None; chunk: after a prompt or a prefill chunk (else
         after decode step ``decode_steps``)."""
         dense = isinstance(kv, DenseKV)
+        capped = self.policy.capped and self._over_cap(kv, logical, chunk)
+        if not self.evicting:
+            if not capped:
+                return self._pack(kv) if dense else kv
+            kv = self._start_evicting(kv, lmask, logical)
         n = kv.keys.shape[2] if dense else kv.num_tokens
-        if not self.config.evicts:
-            self._check_keeps_all(n)
-            return self._pack(kv) if dense else kv
         pos = kv.positions.long()
         real = RealTokens.of(pos, lmask, logical)
         targets = self.policy.targets(n, real.seen, real.held, keep_ratio=self.config.keep_ratio,
                                       decode_steps=self.decode_steps, chunk=chunk)
+        groups = not dense and not chunk and self._has_groups(kv)
+        if capped:
+            targets = self._capped(kv, targets, logical, groups)
+        elif groups and targets is not None:
+            # by the ratio, whole groups only while a whole group is over it (held stays < G over the ratio)
+            drop = (n - int(targets.max())) // self.group_size
+            targets = None if drop == 0 else torch.full_like(targets, n - drop * self.group_size)
         if targets is None:
-            return self._pack(kv) if dense else kv
-        k, v = (kv.keys, kv.values) if dense else kv.dequantize()
-        rope_pos = (pos - self.rope_offset.to(pos.device)[:, None, None]).clamp_min(0)
+            return self._after(self._pack(kv) if dense else kv, logical)
+        if groups and self._by_groups(kv, int(targets.max())):
+            out = self._evict_groups(kv, pos, real, int(targets.max()))
+        else:
+            out = self._evict_tokens(kv, pos, real, targets)
+        self.evictions += 1
+        return self._after(out, logical)
+
+    # ------------------------------------------------------------------ capacity mode
+    def _shape(self, kv: PackedKV | DenseKV) -> tuple[int, int, torch.dtype]:
+        """(held tokens, batch, model dtype) of a layer's storage."""
+        if isinstance(kv, DenseKV):
+            return kv.keys.shape[2], kv.keys.shape[0], kv.keys.dtype
+        return kv.num_tokens, kv.k_res.shape[0], kv.dtype
+
+    def _over_cap(self, kv: PackedKV | DenseKV, logical: int, chunk: bool) -> bool:
+        """Whether the layer must evict to keep the next token within its byte cap (a countdown between checks:
+        each check says how many more tokens fit)."""
+        if not chunk and self._check_in > 1:
+            self._check_in -= 1
+            return False
+        n, batch, dtype = self._shape(kv)
+        ahead = self.budget.steps_that_fit(n, logical, self.queries_seen, batch=batch, dtype=dtype,
+                                           evicting=self.evicting)
+        self._check_in = ahead
+        if ahead == 0 or not chunk:
+            return ahead == 0
+        held = self.budget.held(n, logical, self.queries_seen, batch=batch, dtype=dtype, evicting=self.evicting)
+        return held > self.budget.cap(batch=batch, dtype=dtype)  # a prompt longer than the plan's
+
+    def _capped(self, kv: PackedKV | DenseKV, targets: torch.Tensor | None, logical: int, groups: bool,
+                ) -> torch.Tensor:
+        """Per-row targets [B] lowered to what the byte cap holds with room for the next tokens (by whole packed
+        groups when ``groups``, if that can reach it)."""
+        n, batch, dtype = self._shape(kv)
+        room = self.policy.room(self.group_size)
+        limit = n if targets is None else int(targets.max())
+        kw = dict(batch=batch, dtype=dtype, room=room)
+        m = None
+        if groups:
+            drops = range(kv.num_groups + 1)
+            m = self.budget.target([n - d * self.group_size for d in reversed(drops)], logical,
+                                   self.queries_seen, **kw)
+            m = None if m is None or m > limit else m
+        if m is None:
+            m = self.budget.target(range(1, limit + 1), logical, self.queries_seen, **kw)
+        if m is None:
+            self.budget.check_fits_one(logical, self.queries_seen, batch=batch, dtype=dtype,
+                                       layer_idx=self.layer_idx)
+            m = 1
+        t = torch.full((batch,), min(m, limit), dtype=torch.long)
+        return t if targets is None else torch.minimum(targets, t)
+
+    def _after(self, packed: PackedKV, logical: int) -> PackedKV:
+        """After a compression or an eviction in capacity mode: how many tokens fit before the next check."""
+        if self.policy.capped:
+            self._check_in = self.budget.steps_that_fit(packed.num_tokens, logical, self.queries_seen,
+                                                        batch=packed.k_res.shape[0], dtype=packed.dtype,
+                                                        evicting=self.evicting)
+        return packed
+
+    def _start_evicting(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, logical: int,
+                        ) -> PackedKV | DenseKV:
+        """A layer that kept every token outgrew its cap: from now on it stores positions (token i is at slot i,
+        nothing having been evicted) and evicts with the spare scorer. Its rows' RoPE offsets are their
+        left-padding, the slots their mask hides."""
+        if self._scorers[1] is None:
+            raise MoendError(f"layer {self.layer_idx} ({self.config.name}) outgrew its byte budget and has no "
+                             "scorer to evict with")
+        self.evicting, self.scorer = True, self._scorers[1]()
+        n, batch, _ = self._shape(kv)
+        like = kv.keys if isinstance(kv, DenseKV) else kv.k_res
+        pos = slot_positions(0, n, like)
+        seen = torch.full((batch,), logical) if lmask is None else lmask[:, 0, -1, :].sum(-1).cpu()
+        self.rope_offset = (logical - seen).long().to(like.device)
+        if isinstance(kv, DenseKV):
+            return kv._replace(positions=pos)
+        return kv.with_positions(pos)
+
+    # ------------------------------------------------------------------ how
+    def _has_groups(self, kv: PackedKV) -> bool:
+        """Whether a re-eviction of ``kv`` drops whole packed groups: its K is quantized (so regrouping survivors
+        would re-quantize them) and it has packed groups."""
+        return self.config.k_bits < 16 and kv.num_groups > 0
+
+    def _by_groups(self, kv: PackedKV, target: int) -> bool:
+        """Whether this re-eviction drops whole packed groups and can reach ``target`` tokens that way."""
+        return self._has_groups(kv) and -(-(kv.num_tokens - target) // self.group_size) <= kv.num_groups
+
+    def _evict_groups(self, kv: PackedKV, pos: torch.Tensor, real: RealTokens, target: int) -> PackedKV:
+        """Drop the fewest whole packed groups that bring the layer to ``target`` tokens or below."""
+        k, v = kv.dequantize()
+        scores = self._scores(k, v, pos, None, None)
+        if real.valid is not None:
+            scores = scores.masked_fill(~real.valid, float("-inf"))
+        ranks = token_ranks(scores, sink_tokens=self.policy.sink_tokens, recent_tokens=self.policy.recent_tokens,
+                            key_positions=pos)
+        drop = -(-(kv.num_tokens - target) // self.group_size)
+        return kv.keep_groups(groups_to_keep(ranks, kv.num_packed, self.group_size, drop))
+
+    def _evict_tokens(self, kv: PackedKV | DenseKV, pos: torch.Tensor, real: RealTokens, targets: torch.Tensor,
+                      ) -> PackedKV:
+        """Token-by-token eviction (a prompt on exact K/V; a packed layer with 16-bit K, or one whose groups
+        cannot reach the target, is dequantized and quantized again)."""
+        k, v = (kv.keys, kv.values) if isinstance(kv, DenseKV) else kv.dequantize()
         if real.valid is None and bool((targets == targets[0]).all()):
-            idx = self._select(k, v, pos, rope_pos, int(targets[0]))
+            idx = self._select(k, v, pos, int(targets[0]))
             k, v, pos = gather_tokens(k, idx), gather_tokens(v, idx), gather_tokens(pos, idx)
         else:
-            k, v, pos = self._evict_rows(k, v, pos, rope_pos, real, targets)
-        self.evictions += 1
+            k, v, pos = self._evict_rows(k, v, pos, real, targets)
         return PackedKV.from_dense(k, v, self.config, self.group_size, pos)
 
     def _pack(self, kv: DenseKV) -> PackedKV:
         return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions)
 
-    def _check_keeps_all(self, n: int) -> None:
-        """A layer that keeps every token cannot go over a capacity: it has no positions to evict with."""
-        cap = self.policy.cap
-        if self.policy.budget_mode == BudgetMode.CAPACITY and cap is not None and n > cap:
-            raise MoendError(
-                f"layer {self.layer_idx} ({self.config.name}) keeps every token and now holds {n} > "
-                f"its capacity {cap} (the plan's context_length): it cannot evict without positions, which "
-                "the plan did not budget. Use budget_mode='ratio', or a plan with a larger context_length"
-            )
+    def _scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row: int | None,
+                q_keep: torch.Tensor | None) -> torch.Tensor:
+        """Scores [b, Hkv, n] of k, v: [b, Hkv, n, D] at slots pos [b, Hkv, n] (b = 1 when ``row``). A scorer
+        that reads queries but has none yet (a keep-1.0 layer that has just started evicting) scores every token
+        alike, so selection keeps the sinks and the most recent tokens (StreamingLLM) until it has some."""
+        q, qpos = self.window.select(row, q_keep)
+        if q is None and self.needs_queries:
+            return torch.zeros(pos.shape, device=k.device)
+        one = slice(None) if row is None else slice(row, row + 1)
+        rope_pos = (pos - self.rope_offset[one].to(pos.device)[:, None, None]).clamp_min(0)
+        return self.scorer.score(k, v, queries=q, key_positions=rope_pos, query_positions=qpos)
 
-    def _select(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor, n_keep: int,
+    def _select(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_keep: int,
                 row: int | None = None, q_keep: torch.Tensor | None = None) -> torch.Tensor:
         """Indices [b, Hkv, n_keep] of the tokens to keep among k, v: [b, Hkv, n, D] (b = 1 when ``row``);
-        pos, rope_pos: [b, Hkv, n] slots and RoPE positions. q_keep: [W] bool, which window queries of ``row``
-        are real tokens (None = all)."""
-        q, qpos = self.window.select(row, q_keep)
-        scores = self.scorer.score(k, v, queries=q, key_positions=rope_pos, query_positions=qpos)
+        pos: [b, Hkv, n] slots. q_keep: [W] bool, which window queries of ``row`` are real tokens (None = all)."""
+        scores = self._scores(k, v, pos, row, q_keep)
         idx, _ = select_tokens(scores, n_keep, sink_tokens=self.policy.sink_tokens,
                                recent_tokens=self.policy.recent_tokens, key_positions=pos)
         return idx
 
-    def _evict_rows(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
-                    real: RealTokens, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _evict_rows(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, real: RealTokens,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Evict row by row over each row's real tokens only, so a padded row keeps exactly what it would keep
         alone; rows short of the common length ``max(targets)`` are topped up with masked filler tokens.
-        k, v: [B, Hkv, n, D]; pos, rope_pos: [B, Hkv, n]; targets: [B]. Returns k, v, pos with max(targets)."""
+        k, v: [B, Hkv, n, D]; pos: [B, Hkv, n]; targets: [B]. Returns k, v, pos with max(targets)."""
         n = int(targets.max())
-        rows = [self._evict_row(k, v, pos, rope_pos, real, r, int(targets[r]), n) for r in range(k.shape[0])]
+        rows = [self._evict_row(k, v, pos, real, r, int(targets[r]), n) for r in range(k.shape[0])]
         ks, vs, ps = zip(*rows)
         return torch.cat(ks), torch.cat(vs), torch.cat(ps)
 
-    def _evict_row(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
-                   real: RealTokens, r: int, target: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _evict_row(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, real: RealTokens, r: int,
+                   target: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row ``r`` of :meth:`_evict_rows`: [1, Hkv, n(, D)]."""
         if real.valid is None:
             keep = torch.arange(k.shape[2], device=k.device)
@@ -242,8 +369,7 @@ class Evictor:
         pads = (~real.last[r]).nonzero() if real.last is not None else None
         n_r = target if pads is not None and len(pads) else n
         one = slice(r, r + 1)
-        idx = self._select(k[one, :, keep], v[one, :, keep], pos[one, :, keep], rope_pos[one, :, keep], n_r, r,
-                           q_keep)
+        idx = self._select(k[one, :, keep], v[one, :, keep], pos[one, :, keep], n_r, r, q_keep)
         idx = keep[idx]  # [1, Hkv, n_r] into the held tokens
         kr, vr, pr = gather_tokens(k[one], idx), gather_tokens(v[one], idx), gather_tokens(pos[one], idx)
         if n_r < n:

@@ -11,7 +11,6 @@ import torch
 
 from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW, RECENT_TOKENS, SINK_TOKENS
-from moend_fx.common.errors import MoendError
 from moend_fx.common.options import BudgetMode
 from moend_fx.plan.memory import keep_count
 
@@ -20,28 +19,30 @@ from moend_fx.plan.memory import keep_count
 class EvictionPolicy:
     """When and how far a layer evicts.
 
-    ratio: after the prompt (and after each prefill chunk) keep ``keep_count(seen, keep_ratio, floor)``; during
-    decode re-evict to that every ``evict_every`` steps (in between the held count grows by < evict_every).
-    capacity: never hold more than ``cap`` tokens; when a new token would exceed it, evict down to
-    ``max(cap - slack, min(floor, cap))`` (slack = min(evict_every - 1, cap // 2)) so eviction re-runs about
-    every evict_every steps. ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra
-    tokens. ``floor`` = sink_tokens + recent_tokens: an evicting layer keeps at least that many (or all it has).
-    ``window``: how many recent queries a query-reading scorer scores with.
+    capacity (``MoENDCache``'s default): a hard byte budget. Each layer never holds more bytes than the plan
+    gives it at its ``context_length`` (``moend_fx.eviction.capacity.LayerBudget``), at any generation length:
+    after the prompt (and each prefill chunk) it keeps ``keep_count(seen, keep_ratio, floor)`` tokens, or fewer
+    if they would not fit, and when the next token would not fit it evicts down to what leaves room for
+    ``min(evict_every, G)`` more. A layer that keeps every token starts evicting when the sequence outgrows its
+    budget.
+    ratio: keep ``keep_count(seen, keep_ratio, floor)`` after the prompt (and each prefill chunk) and re-evict to
+    that every ``evict_every`` decode steps; in between a layer grows by up to ``evict_every - 1`` tokens (no
+    byte bound: what the memory model predicts holds right after an eviction only).
+    ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra tokens. ``floor`` =
+    sink_tokens + recent_tokens: an evicting layer keeps at least that many (or all it has) unless its byte
+    budget cannot hold them. ``window``: how many recent queries a query-reading scorer scores with.
     """
 
-    budget_mode: BudgetMode = BudgetMode.RATIO
+    budget_mode: BudgetMode = BudgetMode.RATIO  # MoENDCache's default is capacity (it has the plan's budget)
     evict_every: int = EVICT_EVERY
     window: int = QUERY_WINDOW
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
-    cap: int | None = None  # capacity mode: max(keep_count(plan.context_length, keep_ratio), floor)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget_mode", check_choice("budget_mode", self.budget_mode, BudgetMode))
         check_int("evict_every", self.evict_every)
         check_int("window", self.window)
-        if self.budget_mode == BudgetMode.CAPACITY and (self.cap is None or self.cap < 1):
-            raise MoendError(f"capacity mode needs cap >= 1; got cap={self.cap!r}")
 
     @property
     def floor(self) -> int:
@@ -49,24 +50,24 @@ class EvictionPolicy:
         return self.sink_tokens + self.recent_tokens
 
     @property
-    def low_water(self) -> int:
-        assert self.cap is not None
-        return max(1, self.cap - min(self.evict_every - 1, self.cap // 2), min(self.floor, self.cap))
+    def capped(self) -> bool:
+        """Whether a byte budget bounds the layer at every step (capacity mode)."""
+        return self.budget_mode == BudgetMode.CAPACITY
+
+    def room(self, group_size: int) -> int:
+        """Tokens of room a capacity-mode eviction leaves, so it reruns about this often."""
+        return min(self.evict_every, group_size)
 
     def targets(self, n: int, real_seen: torch.Tensor, real_held: torch.Tensor, *, keep_ratio: float,
                 decode_steps: int, chunk: bool) -> torch.Tensor | None:
-        """Per-row tokens to keep [B] out of the ``n`` held, or None when no eviction is due.
+        """Per-row tokens to keep [B] out of the ``n`` held by the keep ratio, or None when no such eviction is
+        due (capacity mode evicts by ratio after a prompt or chunk only; its byte cap is the evictor's).
 
         real_seen, real_held: [B] real (unmasked) tokens each row has seen and holds; decode_steps: steps so far;
-        chunk: right after a prompt or a prefill chunk (ratio mode evicts then whatever the step count)."""
-        if self.budget_mode == BudgetMode.RATIO:
-            if not chunk and decode_steps % self.evict_every:
-                return None
-            t = torch.tensor([keep_count(int(s), keep_ratio, self.floor) for s in real_seen.tolist()])
-        else:
-            if n <= self.cap:
-                return None
-            t = torch.full_like(real_seen.cpu(), self.low_water)
+        chunk: right after a prompt or a prefill chunk."""
+        if not chunk and (self.capped or decode_steps % self.evict_every):
+            return None
+        t = torch.tensor([keep_count(int(s), keep_ratio, self.floor) for s in real_seen.tolist()])
         t = torch.minimum(t, real_held.cpu())
         if int(t.max()) >= n:
             return None

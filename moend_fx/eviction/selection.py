@@ -40,11 +40,25 @@ def select_tokens(
         raise MoendError(f"n_keep={n_keep!r}; must be an int in [1, T={t}] (see moend_fx.plan.memory.keep_count)")
     if sink_tokens < 0 or recent_tokens < 0:
         raise MoendError(f"sink_tokens={sink_tokens!r}, recent_tokens={recent_tokens!r}; both must be >= 0")
-    if key_positions is None:
-        kp = torch.arange(t, device=scores.device).expand(b, hkv, t)
-    else:
-        kp = as_key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
+    kp = _positions(scores, key_positions)
+    order = _priority_order(scores, kp, sink_tokens, recent_tokens)
+    indices = order[..., :n_keep].sort(dim=-1).values
+    return indices, gather_tokens(kp, indices)
 
+
+def _positions(scores: torch.Tensor, key_positions: torch.Tensor | None) -> torch.Tensor:
+    """key_positions broadcast to scores' [B, Hkv, T] (None = 0..T-1)."""
+    b, hkv, t = scores.shape
+    if key_positions is None:
+        return torch.arange(t, device=scores.device).expand(b, hkv, t)
+    return as_key_positions(key_positions, torch.Size((b, hkv, t))).to(scores.device)
+
+
+def _priority_order(scores: torch.Tensor, kp: torch.Tensor, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
+    """Token indices [B, Hkv, T], most worth keeping first (the priority of :func:`select_tokens`).
+
+    scores: [B, Hkv, T]; kp: [B, Hkv, T] positions (ties go to the later one)."""
+    b, hkv, t = scores.shape
     s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     idx = torch.arange(t, device=scores.device)
     # tier: sinks (earlier first) > recent (later first) > scored > -inf; ints so ties are exact
@@ -59,10 +73,19 @@ def select_tokens(
     o = torch.argsort(gather_tokens(s, order), dim=-1, descending=True, stable=True)
     order = gather_tokens(order, o)
     o = torch.argsort(gather_tokens(tier.expand(b, hkv, t), order), dim=-1, descending=True, stable=True)
-    order = gather_tokens(order, o)
+    return gather_tokens(order, o)
 
-    indices = order[..., :n_keep].sort(dim=-1).values
-    return indices, gather_tokens(kp, indices)
+
+def token_ranks(
+    scores: torch.Tensor, *, sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+    key_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token's rank [B, Hkv, T] int64 in the priority of :func:`select_tokens` (0 = kept first), so that
+    ``select_tokens(scores, n)`` keeps exactly the tokens of rank < n. Shapes as in :func:`select_tokens`."""
+    b, hkv, t = scores.shape
+    order = _priority_order(scores, _positions(scores, key_positions), sink_tokens, recent_tokens)
+    ranks = torch.empty_like(order)
+    return ranks.scatter_(2, order, torch.arange(t, device=scores.device).expand(b, hkv, t).contiguous())
 
 
 def evict(

@@ -17,12 +17,13 @@ OFFSET_BYTES = 8  # one int64 RoPE offset per batch row
 
 def scorer_state_bytes(config: LayerConfig, tokens: int, *, scorer: str | None, num_heads: int, head_dim: int,
                        batch: int = 1, window: int = QUERY_WINDOW, calibrated: bool = True,
-                       evicts: bool | None = None) -> int:
+                       evicts: bool | None = None, queries: int | None = None) -> int:
     """Eviction-state bytes of one layer with ``config`` after ``tokens`` queries.
 
     scorer: the scorer name (None or a non-evicting config: 0); num_heads: query heads; calibrated: the layer has
     calibrated query statistics (``prepare(model, plan, table=...)`` with a table that has them); evicts: whether the
-    layer evicts (default ``config.evicts``; True also for a keep-1.0 layer that has started evicting)."""
+    layer evicts (default ``config.evicts``; True also for a keep-1.0 layer that has started evicting); queries: how
+    many queries its window has seen (default ``tokens``; fewer for a layer that started evicting late)."""
     if scorer is None or not (config.evicts if evicts is None else evicts) or tokens <= 0:
         return 0
     # imported here: the eviction stage builds on the plan stage, not the other way round
@@ -32,5 +33,6 @@ def scorer_state_bytes(config: LayerConfig, tokens: int, *, scorer: str | None, 
     cls = SCORERS[scorer]
     total = OFFSET_BYTES * batch + cls.state_bytes(num_heads=num_heads, head_dim=head_dim, calibrated=calibrated)
     if cls.reads_queries(calibrated=calibrated):
-        total += QueryWindow.bytes_for(batch=batch, num_heads=num_heads, head_dim=head_dim, seen=tokens, size=window)
+        total += QueryWindow.bytes_for(batch=batch, num_heads=num_heads, head_dim=head_dim,
+                                       seen=tokens if queries is None else queries, size=window)
     return total

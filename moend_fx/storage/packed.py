@@ -20,6 +20,7 @@ from moend_fx.common.options import QuantMode
 from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.quant import QuantizedTensor, dequantize, quantize
+from moend_fx.storage.tokens import gather_tokens
 
 Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] (storage dtype) when that side is 16-bit
 
@@ -53,6 +54,12 @@ def _decode(block: Block, dtype: torch.dtype) -> torch.Tensor:
 def _concat(a: Block, b: Block) -> Block:
     """Block a followed by block b (same kind) along the token axis."""
     return torch.cat([a, b], dim=2) if isinstance(a, torch.Tensor) else a.concat(b)
+
+
+def _take(block: Block, tokens: torch.Tensor, groups: torch.Tensor) -> Block:
+    """Whole groups ``groups`` [B, H, g] of a block, their tokens being ``tokens`` [B, H, g * G]."""
+    kept = gather_tokens(block, tokens) if isinstance(block, torch.Tensor) else block.take(tokens, groups)
+    return _map_block(kept, _row_major_empty)
 
 
 def _map_block(block: Block, fn: Callable[[torch.Tensor], torch.Tensor]) -> Block:
@@ -126,7 +133,7 @@ class PackedKV:
             raise MoendError(f"layer config {config.name} evicts tokens, so positions [B, H, n] are required")
         p, _ = split_packed(k.shape[2], config, group_size)
         pos = None
-        if config.evicts:
+        if positions is not None:  # also a keep-1.0 layer that has started evicting (capacity mode)
             if positions.shape != k.shape[:3]:
                 raise MoendError(f"positions must be [B, H, n] = {tuple(k.shape[:3])}; got {tuple(positions.shape)}")
             pos = _stored_positions(positions)
@@ -204,6 +211,32 @@ class PackedKV:
             self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
             k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, flush:]), positions=pos,
         )
+
+    @property
+    def num_groups(self) -> int:
+        """Packed groups of ``group_size`` tokens."""
+        return self.num_packed // self.group_size
+
+    def keep_groups(self, groups: torch.Tensor) -> PackedKV:
+        """This layer holding only the packed groups ``groups`` [B, H, g] int64 (ascending, the same count in every
+        row and head) and the whole residual window. Kept codes, scales and zeros stay bit for bit: re-evicting
+        whole groups never re-quantizes, so the kept tokens' error stays that of their first quantization."""
+        g = self.group_size
+        b, h, _ = groups.shape
+        tokens = (groups[..., None] * g + torch.arange(g, device=groups.device)).reshape(b, h, -1)
+        pos = self.positions
+        if pos is not None:
+            p = self.num_packed
+            pos = torch.cat([gather_tokens(pos[:, :, :p], tokens.to(pos.device)), pos[:, :, p:]], dim=2)
+        return replace(self, k_packed=_take(self.k_packed, tokens, groups),
+                       v_packed=_take(self.v_packed, tokens, groups), positions=pos)
+
+    def with_positions(self, positions: torch.Tensor) -> PackedKV:
+        """This layer with stored positions [B, H, n] (a layer that kept every token and now starts evicting)."""
+        if positions.shape != (*self.k_res.shape[:2], self.num_tokens):
+            raise MoendError(f"positions {tuple(positions.shape)} must be [B, H, n] = "
+                             f"{(*self.k_res.shape[:2], self.num_tokens)}")
+        return replace(self, positions=_stored_positions(positions))
 
     def blocks(self) -> tuple[Block, Block]:
         """(k_packed, v_packed)."""

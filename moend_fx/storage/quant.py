@@ -23,6 +23,7 @@ from moend_fx.common.checks import check_choice, check_power_of_two
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import QuantMode
+from moend_fx.storage.tokens import gather_tokens
 
 QUANT_BITS: tuple[int, ...] = (2, 4, 8)
 
@@ -114,6 +115,14 @@ class QuantizedTensor:
         Codes and scales both grow along dim 2 in either mode; the groups of each block are kept bit for bit."""
         return replace(self, codes=torch.cat([self.codes, other.codes], 2),
                        scale=torch.cat([self.scale, other.scale], 2), zero=torch.cat([self.zero, other.zero], 2))
+
+    def take(self, tokens: torch.Tensor, groups: torch.Tensor) -> QuantizedTensor:
+        """This block holding only the whole groups ``groups`` [B, H, g] (ascending), whose tokens are ``tokens``
+        [B, H, g * G]: every kept code, scale and zero bit for bit (no re-quantization, so no drift). In mode
+        "token" a token is its own group of scales, so ``tokens`` alone picks them."""
+        sel = groups if self.mode == QuantMode.CHANNEL else tokens
+        return replace(self, codes=gather_tokens(self.codes, tokens), scale=gather_tokens(self.scale, sel),
+                       zero=gather_tokens(self.zero, sel))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -27,11 +27,12 @@ def test_ratio_mode_evicts_after_a_chunk_and_every_evict_every_steps():
     assert _targets(pol, 6, [6], [6], chunk=True, keep=1.0) is None  # nothing to drop
 
 
-def test_capacity_mode_evicts_to_the_low_water_mark_only_over_the_cap():
-    pol = EvictionPolicy("capacity", evict_every=8, sink_tokens=1, recent_tokens=3, cap=40)
-    assert pol.low_water == 40 - 7
-    assert _targets(pol, 40, [40], [40]) is None
-    assert _targets(pol, 41, [41, 41], [41, 41]).tolist() == [33, 33]
+def test_capacity_mode_evicts_by_ratio_after_a_prompt_only():
+    """Its byte cap is the evictor's (tests/eviction/test_capacity.py); the ratio applies to a prompt or chunk."""
+    pol = EvictionPolicy("capacity", evict_every=8, sink_tokens=1, recent_tokens=3)
+    assert pol.capped and pol.room(32) == 8 and EvictionPolicy("capacity", evict_every=128).room(32) == 32
+    assert _targets(pol, 100, [100], [100], chunk=True).tolist() == [keep_count(100, 0.5, 4)]
+    assert _targets(pol, 100, [100], [100], steps=8) is None
 
 
 def test_options_are_checked():
@@ -41,5 +42,3 @@ def test_options_are_checked():
         EvictionPolicy(evict_every=0)
     with pytest.raises(MoendError, match="window=0"):
         EvictionPolicy(window=0)
-    with pytest.raises(MoendError, match="cap >= 1"):
-        EvictionPolicy("capacity")

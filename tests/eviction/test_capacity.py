@@ -1,0 +1,190 @@
+"""Capacity mode: each layer's byte cap is the plan's bytes at its context length, and no layer (so no cache)
+ever holds more, at any step, whatever the length; a keep-1.0 layer starts evicting when it outgrows its cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moend_fx.cache.moend_cache import MoENDCache
+from moend_fx.common.errors import MoendError
+from moend_fx.eviction.capacity import LayerBudget
+from moend_fx.eviction.rope import rope_from_model
+from moend_fx.models import tiny_model
+from moend_fx.plan.memory import keep_count, plan_bytes, plan_layer_bytes
+from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+
+FLOOR = 4 + 32
+
+
+def _model():
+    m = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, seed=3)
+    m.set_attn_implementation("moend")
+    return m
+
+
+def _plan(model, configs, context_length: int) -> RoutingPlan:
+    fp = ModelFingerprint.from_model(model)
+    return RoutingPlan(layers=tuple(configs), fingerprint=fp, budget_bytes=1, context_length=context_length)
+
+
+def _budget(config: LayerConfig, context_length: int = 512, **kw) -> LayerBudget:
+    args = dict(kv_heads=2, num_heads=4, head_dim=16, group_size=32, floor=FLOOR, window=32, scorer="trig",
+                calibrated=False)
+    return LayerBudget(config, context_length, **{**args, **kw})
+
+
+@pytest.mark.parametrize("config", [LayerConfig(0.25, 4, 8), LayerConfig(1.0, 4, 4), LayerConfig(0.1, 16, 16)])
+def test_the_cap_is_the_plans_bytes_at_its_context_length(config):
+    model = _model()
+    fp = ModelFingerprint.from_model(model)
+    want = plan_layer_bytes(config, 512, fp, floor=FLOOR, calibrated=False, batch=2)
+    assert _budget(config).cap(batch=2, dtype=torch.float32) == want
+
+
+def test_steps_that_fit_and_target_leave_room_by_the_byte_count():
+    b = _budget(LayerConfig(0.25, 4, 4))
+    cap = b.cap(batch=1, dtype=torch.float32)
+    n = keep_count(512, 0.25, FLOOR)
+    assert b.held(n, 512, 512, batch=1, dtype=torch.float32, evicting=True) == cap
+    assert b.steps_that_fit(n, 512, 512, batch=1, dtype=torch.float32, evicting=True) == 0  # at the cap
+    m = b.target(range(1, n + 1), 512, 512, batch=1, dtype=torch.float32, room=32)
+    assert m is not None and m < n
+    held = [b.held(m + j, 512 + j, 512 + j, batch=1, dtype=torch.float32, evicting=True) for j in range(33)]
+    assert max(held) <= cap  # room for the next 32 tokens, whatever their residual/packed split
+    assert b.held(m + 1 + 32, 545, 545, batch=1, dtype=torch.float32, evicting=True) > cap or m == n
+
+
+def test_a_budget_too_small_for_two_tokens_is_a_clear_error():
+    b = _budget(LayerConfig(0.1, 16, 16), context_length=1, floor=0)
+    with pytest.raises(MoendError, match="cannot hold even two tokens"):
+        b.check_fits_one(10, 10, batch=1, dtype=torch.float32, layer_idx=3)
+
+
+def _decode(model, cache, prompt: int, steps: int, check) -> None:
+    ids = torch.randint(3, 256, (1, prompt), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = model(ids, cache=cache, use_cache=True).logits
+        check(0)
+        for s in range(steps):
+            logits = model(logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+            check(s + 1)
+
+
+@pytest.mark.parametrize("prompt", [120, 256])
+def test_no_layer_ever_exceeds_its_cap_over_1000_steps_and_keep1_layers_start_evicting(prompt):
+    """prompt == the plan's context length (as the evaluation solves plans) is the hard case: every layer
+    starts at its cap, and the keep-1.0 layers must evict from the first generated token on."""
+    model = _model()
+    cfgs = [LayerConfig(0.25, 4, 8), LayerConfig(1.0, 4, 4), LayerConfig(0.5, 16, 4)]
+    plan = _plan(model, cfgs, context_length=256)
+    cache = MoENDCache(plan, rope=rope_from_model(model))  # capacity is the default
+    caps = cache.budget_bytes().per_layer
+    assert sum(caps) == plan_bytes(plan, calibrated=False)
+    peak = [0, 0, 0]
+
+    def check(step: int) -> None:
+        got = cache.nbytes()
+        assert all(b <= c for b, c in zip(got.per_layer, caps)), (step, got.per_layer, caps)
+        assert got.total <= plan_bytes(plan, calibrated=False)
+        if step % 100 == 0:
+            assert got == cache.model_bytes(), step
+        for i, b in enumerate(got.per_layer):
+            peak[i] = max(peak[i], b)
+
+    _decode(model, cache, prompt, 1000, check)
+    assert cache.layers[1].evictor.evicting and cache.layers[1].evictions > 0  # keep 1.0 outgrew its cap
+    assert cache.layers[1].packed.positions is not None
+    assert not cache.layers[1].config.evicts  # the plan is unchanged; the layer adapted
+    # the cap is used, not wasted: every layer comes within 10% of it
+    assert all(p >= 0.9 * c for p, c in zip(peak, caps)), (peak, caps)
+
+
+def test_a_prompt_longer_than_the_plan_is_compressed_into_the_cap():
+    model = _model()
+    cfgs = [LayerConfig(0.25, 4, 8), LayerConfig(1.0, 16, 16), LayerConfig(0.1, 8, 4)]
+    plan = _plan(model, cfgs, context_length=64)
+    cache = MoENDCache(plan, rope=rope_from_model(model))
+    caps = cache.budget_bytes().per_layer
+
+    def check(step: int) -> None:
+        assert all(b <= c for b, c in zip(cache.nbytes().per_layer, caps)), step
+
+    _decode(model, cache, 200, 40, check)
+    assert cache.nbytes() == cache.model_bytes()
+
+
+def test_ratio_mode_is_still_there_and_grows_between_evictions():
+    model = _model()
+    plan = _plan(model, [LayerConfig(0.25, 16, 16)] * 3, context_length=128)
+    cache = MoENDCache(plan, rope=rope_from_model(model), budget_mode="ratio", evict_every=64)
+    held = []
+    _decode(model, cache, 128, 100, lambda step: held.append(cache.held_tokens()[0]))
+    # one more token each step until the eviction at step 64: no byte bound in between
+    assert held[63] - held[0] == 63 and held[64] < held[63]
+    assert held[64] == keep_count(128 + 64, 0.25, FLOOR)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """SmolLM2, a calibrated table and a ~2k-token passkey prompt (ids [1, T])."""
+    from moend_fx import calibrate, load_model
+    from moend_fx.eval.tasks import make_examples
+
+    model, tok = load_model("smollm2-135m")
+    table = calibrate(model, tok, tokens=2048)
+    ex = make_examples("passkey", tok, 2048, 1, seed=3)[0]
+    return model, table, tok(ex.prompt_full, return_tensors="pt").input_ids
+
+
+def _generate_checked(model, table, plan, ids, steps: int) -> tuple[list[int], int]:
+    """Generate ``steps`` tokens through a capacity-mode MoENDCache, asserting at every step that its measured
+    bytes stay within the plan's (what the memory model gives the plan at its context length). Returns (the
+    measured bytes at every step, the bound)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import moend_fx
+    from moend_fx.calibration.tables import layer_query_stats
+
+    moend_fx.prepare(model, plan, table=table)
+    cache = MoENDCache(plan, rope=rope_from_model(model), query_stats=layer_query_stats(table))
+    bound = plan_bytes(plan)
+    assert cache.budget_bytes().total == bound <= plan.budget_bytes
+    seen: list[int] = []
+
+    class Check(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            got = cache.nbytes()
+            assert got.total <= bound, (len(seen), got.total, bound)
+            assert all(b <= c for b, c in zip(got.per_layer, cache.budget_bytes().per_layer)), len(seen)
+            seen.append(got.total)
+            return scores
+
+    try:
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache=cache,
+                       logits_processor=LogitsProcessorList([Check()]), pad_token_id=0)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cache.nbytes() == cache.model_bytes()
+    return seen, bound
+
+
+@pytest.mark.slow
+def test_real_model_14x_plan_holds_its_budget_at_every_step_of_1000_tokens(smollm):
+    from moend_fx import get_solver
+
+    model, table, ids = smollm
+    plan = get_solver("greedy").solve(table, "14x", context_length=ids.shape[1]).plan
+    seen, bound = _generate_checked(model, table, plan, ids, 1000)
+    assert len(seen) == 1000 and max(seen) >= 0.9 * bound  # held to the budget, and using it
+
+
+@pytest.mark.slow
+def test_real_model_plan_with_keep1_layers_solved_for_the_prompt_holds_its_budget(smollm):
+    model, table, ids = smollm
+    fp = table.fingerprint
+    half = fp.num_layers // 2
+    layers = (LayerConfig(1.0, 4, 4),) * half + (LayerConfig(0.25, 4, 4),) * (fp.num_layers - half)
+    plan = RoutingPlan(layers=layers, fingerprint=fp, budget_bytes=10**9, context_length=ids.shape[1])
+    seen, bound = _generate_checked(model, table, plan, ids, 1000)
+    assert len(seen) == 1000 and max(seen) >= 0.9 * bound
