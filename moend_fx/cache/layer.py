@@ -1,32 +1,25 @@
 """One compressed cache layer: a :class:`PackedKV`, its logical length, and the eviction policy.
 
-The layer follows Hugging Face's ``CacheLayerMixin`` protocol (mirrors ``DynamicLayer``) with one
-twist: attention is computed by the "moend" attention function (``moend_fx.cache.hf_attention``), which
-reaches this object through the attention kwargs (``update`` puts itself under ``"moend_layer"``
-in the kwargs dict the attention module passes to ``cache.update(..., kwargs=kwargs)`` and then
-to the attention function). The order inside one attention module is:
+The layer follows Hugging Face's ``CacheLayerMixin`` protocol (mirrors ``DynamicLayer``) with one twist:
+attention is computed by the "moend" attention function (``moend_fx.cache.hf_attention``), which reaches this
+object through the attention kwargs (``update`` puts itself under ``"moend_layer"`` in the kwargs dict the
+attention module passes to ``cache.update(..., kwargs=kwargs)``). The order inside one attention module is:
 
-1. ``update(k_new, v_new)``: a prefill on an empty layer is *staged* (held dense, returned as is so
-   the attention function can run SDPA over it); otherwise the new tokens are appended to the
-   packed storage and returned unchanged. The residual window then holds 1..G tokens: a group filled by
-   this step is quantized lazily (before the next append, or by ``settle`` / ``before_step``), so a
-   compiled decode step never branches on whether it fills a group.
-2. the attention function calls ``finish_prefill(q, mask)`` after SDPA on the staged K/V (evict +
-   compress; the dense K/V are dropped), or ``attend(q, mask)`` for a chunk / decode step over the
-   packed storage (``attention_fn``, default :func:`moend_fx.attention.packed.packed_layer_attention`, the
-   form the ``moend`` compile backend fuses), which then re-evicts when the policy says so.
+1. ``update(k_new, v_new)``: a prefill on an empty layer is *staged* (held dense, returned as is so the attention
+   function can run SDPA over it); otherwise the new tokens are appended to the packed storage. The residual
+   window then holds 1..G tokens: a group filled by this step is quantized lazily (before the next append, or by
+   ``settle`` / ``before_step``), so a compiled decode step never branches on whether it fills a group.
+2. the attention function calls ``finish_prefill(q, mask)`` after SDPA on the staged K/V (evict + compress), or
+   ``attend(q, mask)`` for a chunk / decode step over the packed storage (``attention_fn``, default
+   :func:`moend_fx.attention.packed.packed_layer_attention`, the form the ``moend`` backend fuses), which then
+   re-evicts when the policy (or the byte cap) says so.
 
-Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction
-(plain eager code, ``moend_fx.eviction.evictor``) are deferred to :meth:`MoENDLayer.before_step`, which the cache runs
-before the next step, outside the graph (``moend_fx.prepare`` installs that hook on ``generate``).
+Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction are
+deferred to :meth:`MoENDLayer.before_step`, run before the next step outside the graph. A prompt whose attention
+ran elsewhere enters through :meth:`MoENDLayer.load_prefill` (``MoENDCache.from_prefill``).
 
-A prompt whose attention already ran elsewhere (a full-precision DynamicCache prefill) enters an empty layer
-through :meth:`MoENDLayer.load_prefill` (the same eviction and quantization as ``finish_prefill``, no attention);
-``MoENDCache.from_prefill`` calls it per layer.
-
-Lengths: ``get_seq_length`` / ``get_mask_sizes`` report the *logical* length (every token fed,
-padding included) since they drive position ids and mask sizes; ``held`` is what is stored.
-Positions stored with evicting layers are logical slot indices (column indices of HF's mask).
+Lengths: ``get_seq_length`` / ``get_mask_sizes`` report the *logical* length (every token fed, padding included);
+``held`` is what is stored. Stored positions are logical slot indices (column indices of HF's mask).
 """
 
 from __future__ import annotations
@@ -43,7 +36,8 @@ from moend_fx.cache.prefill_inputs import check_prefill_tensors
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.capacity import LayerBudget
-from moend_fx.eviction.evictor import DenseKV, Evictor
+from moend_fx.eviction.evictor import Evictor
+from moend_fx.eviction.held import DenseKV
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.scorers.base import Scorer
 from moend_fx.plan.routing import LayerConfig
@@ -68,10 +62,7 @@ class MoENDLayer(CacheLayerMixin):
         budget: LayerBudget | None = None, spare: Callable[[], Scorer] | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.group_size = group_size
-        self.budget = budget
+        self.config, self.layer_idx, self.group_size, self.budget = config, layer_idx, group_size, budget
         self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx,
                                budget=budget, spare=spare)
         self.attention_fn: PackedAttention = attention_fn or packed_layer_attention
@@ -195,14 +186,12 @@ class MoENDLayer(CacheLayerMixin):
         return stored + self.state_nbytes()
 
     def model_nbytes(self) -> int:
-        """What the memory model (:attr:`budget`) says the held tokens and the eviction state take: equals
-        :meth:`nbytes` (the budget is the one count the cap, the solvers and this measurement share)."""
+        """What the memory model (:attr:`budget`, the count the cap and the solvers share) says the layer holds."""
         self.settle()
         if self.packed is None or self.budget is None:
             return 0
-        ev = self.evictor
-        return self.budget.held(self.held, self.logical, ev.queries_seen, batch=self.batch_size,
-                                dtype=self.packed.dtype, evicting=ev.evicting)
+        return self.budget.held(self.held, self.logical, self.evictor.queries_seen, batch=self.batch_size,
+                                dtype=self.packed.dtype, evicting=self.evictor.evicting)
 
     def state_nbytes(self) -> int:
         """Bytes of the eviction state: the scorer's query window (none for trig with calibrated stats, keynorm,

@@ -1,25 +1,21 @@
 """What a compressed cache layer evicts: :class:`Evictor`, the one object a
-:class:`moend_fx.cache.layer.MoENDLayer` evicts through (its policy, its scorer, the scorer's query window and
-the rows' RoPE offsets).
-
-Eviction is plain eager code (Python loops over rows, ``.tolist()``, data-dependent sizes): it never runs
-inside a compiled decode step. The layer calls :meth:`Evictor.evict` after a prompt (or a chunk) and
-:meth:`Evictor.decode_step` after a decode step's attention; when that attention ran inside a ``torch.compile``
-graph it calls :meth:`Evictor.defer` instead, and the step is counted and evicted by :meth:`Evictor.finish_deferred`
-from :meth:`MoENDCache.before_step` before the next step (see ``docs/cache.md``). Both orders give the same cache:
-nothing reads or writes it between the end of one step and the next update.
+:class:`moend_fx.cache.layer.MoENDLayer` evicts through (its policy, byte budget, scorer, query window and the rows'
+RoPE offsets). Eviction is plain eager code (loops over rows, ``.tolist()``, data-dependent sizes): it never
+runs inside a compiled decode step. After a decode step's attention inside a ``torch.compile`` graph the layer
+calls :meth:`Evictor.defer`, and the step is counted and evicted by :meth:`Evictor.finish_deferred` from
+:meth:`MoENDCache.before_step` before the next step (``docs/cache.md``); both orders give the same cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.groups import groups_to_keep
+from moend_fx.eviction.held import DenseKV, RealTokens, evict_rows, real_at
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.query_window import QueryWindow
 from moend_fx.eviction.scorers.base import Scorer
@@ -27,55 +23,6 @@ from moend_fx.eviction.selection import select_tokens, token_ranks
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV, slot_positions
 from moend_fx.storage.tokens import gather_tokens
-
-
-class DenseKV(NamedTuple):
-    """A prompt not yet compressed: keys, values [B, Hkv, n, D] post-RoPE, positions [B, Hkv, n] int (their
-    logical slots; None for a layer that never evicts)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor | None
-
-
-class RealTokens(NamedTuple):
-    """Which held tokens of each row are real (not padding), from the step's mask.
-
-    valid: [B, Hkv, n] bool (None = all real); last: [B, S] bool, the mask row of the newest query, which sees
-    every real token (None = no mask); seen, held: [B] real tokens seen so far and held."""
-
-    valid: torch.Tensor | None
-    last: torch.Tensor | None
-    seen: torch.Tensor
-    held: torch.Tensor
-
-    @classmethod
-    def of(cls, pos: torch.Tensor, lmask: torch.Tensor | None, logical: int) -> RealTokens:
-        """pos: [B, Hkv, n] int64 slots of the held tokens; lmask: bool [B, 1, L, S] or None; logical: S."""
-        b, hkv, n = pos.shape
-        valid = last = None
-        if lmask is not None:
-            last = lmask[:, 0, -1, :]
-            seen = last.sum(-1)
-            valid = last.gather(1, pos.reshape(b, -1)).reshape(b, hkv, n)
-            if bool(valid.all()):
-                valid = None
-        else:
-            seen = torch.full((b,), logical, dtype=torch.long)
-        held = torch.full((b,), n, dtype=torch.long) if valid is None else valid[:, 0].sum(-1)
-        return cls(valid, last, seen, held)
-
-
-def _top_up(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, fill: int, pad_slot: int,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k, v: [1, Hkv, m, D], pos: [1, Hkv, m] plus ``fill`` zero tokens at slot ``pad_slot`` (a padding slot of
-    this row, so the gathered mask hides them), in position order: [1, Hkv, m + fill(, D)]."""
-    hkv = k.shape[1]
-    k = torch.cat([k.new_zeros(1, hkv, fill, k.shape[-1]), k], dim=2)
-    v = torch.cat([v.new_zeros(1, hkv, fill, v.shape[-1]), v], dim=2)
-    pos = torch.cat([pos.new_full((1, hkv, fill), pad_slot), pos], dim=2)
-    order = pos.argsort(dim=2, stable=True)
-    return gather_tokens(k, order), gather_tokens(v, order), gather_tokens(pos, order)
 
 
 class Evictor:
@@ -195,7 +142,7 @@ class Evictor:
         capped = self.policy.capped and self._over_cap(kv, logical, chunk)
         if not self.evicting:
             if not capped:
-                return self._pack(kv) if dense else kv
+                return self._pack(kv, lmask) if dense else kv
             kv = self._start_evicting(kv, lmask, logical)
         n = kv.keys.shape[2] if dense else kv.num_tokens
         pos = kv.positions.long()
@@ -210,11 +157,11 @@ class Evictor:
             drop = (n - int(targets.max())) // self.group_size
             targets = None if drop == 0 else torch.full_like(targets, n - drop * self.group_size)
         if targets is None:
-            return self._after(self._pack(kv) if dense else kv, logical)
+            return self._after(self._pack(kv, lmask) if dense else kv, logical)
         if groups and self._by_groups(kv, int(targets.max())):
             out = self._evict_groups(kv, pos, real, int(targets.max()))
         else:
-            out = self._evict_tokens(kv, pos, real, targets)
+            out = self._evict_tokens(kv, pos, real, targets, lmask)
         self.evictions += 1
         return self._after(out, logical)
 
@@ -311,7 +258,7 @@ class Evictor:
         return kv.keep_groups(groups_to_keep(ranks, kv.num_packed, self.group_size, drop))
 
     def _evict_tokens(self, kv: PackedKV | DenseKV, pos: torch.Tensor, real: RealTokens, targets: torch.Tensor,
-                      ) -> PackedKV:
+                      lmask: torch.Tensor | None) -> PackedKV:
         """Token-by-token eviction (a prompt on exact K/V; a packed layer with 16-bit K, or one whose groups
         cannot reach the target, is dequantized and quantized again)."""
         k, v = (kv.keys, kv.values) if isinstance(kv, DenseKV) else kv.dequantize()
@@ -319,11 +266,14 @@ class Evictor:
             idx = self._select(k, v, pos, int(targets[0]))
             k, v, pos = gather_tokens(k, idx), gather_tokens(v, idx), gather_tokens(pos, idx)
         else:
-            k, v, pos = self._evict_rows(k, v, pos, real, targets)
-        return PackedKV.from_dense(k, v, self.config, self.group_size, pos)
+            k, v, pos = evict_rows(k, v, pos, real, targets, self._select, self.window.slots)
+        return PackedKV.from_dense(k, v, self.config, self.group_size, pos, valid=real_at(lmask, pos))
 
-    def _pack(self, kv: DenseKV) -> PackedKV:
-        return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions)
+    def _pack(self, kv: DenseKV, lmask: torch.Tensor | None) -> PackedKV:
+        """A prompt compressed as it is (nothing evicted): its padding kept, but out of K's groups' min/max."""
+        slots = kv.positions if kv.positions is not None else slot_positions(0, kv.keys.shape[2], kv.keys)
+        valid = real_at(lmask, slots.long())
+        return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions, valid=valid)
 
     def _scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row: int | None,
                 q_keep: torch.Tensor | None) -> torch.Tensor:
@@ -345,33 +295,3 @@ class Evictor:
         idx, _ = select_tokens(scores, n_keep, sink_tokens=self.policy.sink_tokens,
                                recent_tokens=self.policy.recent_tokens, key_positions=pos)
         return idx
-
-    def _evict_rows(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, real: RealTokens,
-                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Evict row by row over each row's real tokens only, so a padded row keeps exactly what it would keep
-        alone; rows short of the common length ``max(targets)`` are topped up with masked filler tokens.
-        k, v: [B, Hkv, n, D]; pos: [B, Hkv, n]; targets: [B]. Returns k, v, pos with max(targets)."""
-        n = int(targets.max())
-        rows = [self._evict_row(k, v, pos, real, r, int(targets[r]), n) for r in range(k.shape[0])]
-        ks, vs, ps = zip(*rows)
-        return torch.cat(ks), torch.cat(vs), torch.cat(ps)
-
-    def _evict_row(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, real: RealTokens, r: int,
-                   target: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row ``r`` of :meth:`_evict_rows`: [1, Hkv, n(, D)]."""
-        if real.valid is None:
-            keep = torch.arange(k.shape[2], device=k.device)
-        else:
-            keep = real.valid[r, 0].nonzero().squeeze(-1)  # pads sit at the same slots in every KV head
-        q_keep = None
-        if self.window.slots is not None and real.last is not None:
-            q_keep = real.last[r].gather(0, self.window.slots.to(real.last.device))
-        pads = (~real.last[r]).nonzero() if real.last is not None else None
-        n_r = target if pads is not None and len(pads) else n
-        one = slice(r, r + 1)
-        idx = self._select(k[one, :, keep], v[one, :, keep], pos[one, :, keep], n_r, r, q_keep)
-        idx = keep[idx]  # [1, Hkv, n_r] into the held tokens
-        kr, vr, pr = gather_tokens(k[one], idx), gather_tokens(v[one], idx), gather_tokens(pos[one], idx)
-        if n_r < n:
-            kr, vr, pr = _top_up(kr, vr, pr, n - n_r, int(pads[0]))
-        return kr, vr, pr

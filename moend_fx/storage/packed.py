@@ -20,7 +20,7 @@ from moend_fx.common.options import QuantMode
 from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.quant import QuantizedTensor, dequantize, quantize
-from moend_fx.storage.tokens import gather_tokens
+from moend_fx.storage.tokens import fill_pads, gather_tokens
 
 Block = QuantizedTensor | torch.Tensor  # a raw tensor [B, H, P, D] (storage dtype) when that side is 16-bit
 
@@ -124,9 +124,11 @@ class PackedKV:
     @classmethod
     def from_dense(
         cls, k: torch.Tensor, v: torch.Tensor, config: LayerConfig, group_size: int = GROUP_SIZE,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
     ) -> PackedKV:
-        """Compress k, v: [B, H, n, D] in the model dtype (post-RoPE, already evicted). positions: [B, H, n] int."""
+        """Compress k, v: [B, H, n, D] in the model dtype (post-RoPE, already evicted). positions: [B, H, n] int.
+        valid: [B, H, n] bool, False for padding (left padding, fillers of short rows): padding never enters a K
+        group's min/max (:func:`~moend_fx.storage.tokens.fill_pads`; V groups are per token)."""
         if k.shape != v.shape or k.dim() != 4:
             raise MoendError(f"k and v must both be [B, H, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
         if config.evicts and positions is None:
@@ -140,6 +142,8 @@ class PackedKV:
         # Quantized from the 16-bit copy too, as tokens that arrive through append are (see the class doc).
         raw = storage_dtype(k.dtype)
         ks, vs = k.to(raw), v.to(raw)
+        if valid is not None and config.k_bits < 16 and not bool(valid.all()):
+            ks = fill_pads(ks, valid, group_size)
         return cls(
             config, group_size,
             _encode(ks[:, :, :p], config.k_bits, group_size, QuantMode.CHANNEL),

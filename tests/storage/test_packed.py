@@ -162,3 +162,24 @@ def test_bad_inputs():
         PackedKV.from_dense(k, k[..., :8], LayerConfig(1.0, 4, 4))
     with pytest.raises(MoendError, match="positions must be"):
         PackedKV.from_dense(k, k, LayerConfig(0.5, 4, 4), positions=torch.arange(3).expand(1, 2, 3))
+
+
+def test_padding_never_enters_a_k_groups_min_max():
+    """Left padding (and fillers) in a K group: the real tokens are quantized as if the pads were not there."""
+    from moend_fx.storage.tokens import fill_pads
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 80, 16, generator=g), torch.randn(2, 2, 80, 16, generator=g)
+    valid = torch.ones(2, 2, 80, dtype=torch.bool)
+    valid[0, :, :40] = False  # row 0: 40 pads (one whole group, then 8 in the second)
+    k[0, :, :40] = 100.0  # pads with huge values: they would own the min/max of their groups
+    cfg = LayerConfig(1.0, 4, 4)
+    packed = PackedKV.from_dense(k, v, cfg, 32, valid=valid)
+    got, _ = packed.dequantize()
+    # the second group of row 0 holds 24 real tokens: quantized as a group of those 24 (plus copies of one)
+    real = k[0:1, :, 40:64].clone()
+    alone = PackedKV.from_dense(torch.cat([real[:, :, :1].expand(1, 2, 8, 16), real], 2), v[0:1, :, 32:64], cfg, 32)
+    ref, _ = alone.dequantize()
+    assert torch.equal(got[0:1, :, 40:64], ref[:, :, 8:])
+    assert (got[0, :, 40:] - k[0, :, 40:]).abs().max() < 0.5  # within 4-bit steps of real ranges, not of 100
+    assert torch.equal(fill_pads(k, torch.ones_like(valid), 32), k)  # nothing to fill
