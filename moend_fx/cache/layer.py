@@ -75,24 +75,16 @@ class MoENDLayer(CacheLayerMixin):
         self.logical = 0  # tokens fed so far (padding included): what HF sees as the sequence length
         self.evictor.clear()
 
-    @property
-    def policy(self) -> EvictionPolicy:
-        return self.evictor.policy
+    policy: EvictionPolicy = property(lambda self: self.evictor.policy)  # type: ignore[assignment]
+    scorer: Scorer | None = property(lambda self: self.evictor.scorer)  # type: ignore[assignment]
 
     @property
-    def scorer(self) -> Scorer | None:
-        return self.evictor.scorer
-
-    @property
-    def evictions(self) -> int:
-        """How many times this layer has evicted."""
+    def evictions(self) -> int:  # how many times this layer has evicted
         return self.evictor.evictions
 
     # ------------------------------------------------------------------ CacheLayerMixin protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.is_initialized = True
+        self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -281,6 +273,11 @@ class MoENDLayer(CacheLayerMixin):
         else:
             self.packed = self.evictor.decode_step(self.packed, lmask, self.logical)
         return out
+
+    def start_evicting(self) -> None:
+        """Capacity mode, between steps: a layer that keeps every token starts evicting (``MoENDCache.before_step``)."""
+        if self.packed is not None and self.policy.capped and not self.evictor.evicting:
+            self.packed = self.evictor.start(self.packed, self.logical)
 
     def before_step(self) -> None:
         """Run outside any compiled region before a forward: finish a deferred decode step (count it, evict

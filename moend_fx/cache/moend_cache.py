@@ -177,7 +177,14 @@ class MoENDCache(Cache):
     def before_step(self) -> None:
         """Call outside the compiled region before each forward of a compiled model (``moend_fx.prepare``
         does it for ``generate``): finishes the previous decode step's deferred eviction and marks the cache
-        tensors' token axis dynamic. Harmless for eager use."""
+        tensors' token axis dynamic. Harmless for eager use.
+
+        Capacity mode: once one keep-1.0 layer has started evicting (it outgrew its cap), every other one starts
+        too (its storage gains positions), so a compiled decode graph changes once, not once per layer."""
+        self.settle()
+        if any(layer.evictor.evicting and not layer.config.evicts for layer in self.layers):
+            for layer in self.layers:
+                layer.start_evicting()
         for layer in self.layers:
             layer.before_step()
 

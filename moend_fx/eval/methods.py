@@ -42,6 +42,7 @@ class MethodSpec:
 
     kind: "full" (DynamicCache), "hf" (transformers QuantizedCache) or "moend" (MoENDCache + solver plan).
     solver / solver_options: the plan's solver (moend only). budgeted: runs once per budget (else once).
+    cache_options: MoENDCache options this method overrides (moend only).
     """
 
     name: str
@@ -51,6 +52,7 @@ class MethodSpec:
     solver_options: dict[str, Any] = field(default_factory=dict)
     backend: str | None = None
     hf_options: dict[str, Any] = field(default_factory=dict)
+    cache_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def budgeted(self) -> bool:
@@ -63,7 +65,10 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                backend="quanto", hf_options=dict(nbits=4, q_group_size=64, residual_length=128)),
     MethodSpec("hf_fp8", "hf", "transformers QuantizedCache, fp8 e4m3 per tensor (no extra package)",
                backend="fp8"),
-    MethodSpec("lossless", "moend", "MoENDCache, keep 1.0 and 16/16 bits on every layer (sanity row)"),
+    # the sanity row keeps every token it is given: no byte budget to hold (capacity mode would start evicting
+    # at the first generated token of a plan solved for exactly the prompt)
+    MethodSpec("lossless", "moend", "MoENDCache, keep 1.0 and 16/16 bits on every layer (sanity row)",
+               cache_options=dict(budget_mode="ratio")),
     MethodSpec("1d", "moend", "uniform eviction, 16/16 bits (best keep ratio that fits)", solver="1d"),
     MethodSpec("2d_uniform", "moend", "uniform eviction + uniform K/V bits (best pair that fits)",
                solver="2d_uniform"),
@@ -207,7 +212,7 @@ def build_cache(spec: MethodSpec, state: PrefillState, *, model: Any, plan: Rout
     if spec.kind == "moend":
         if plan is None:
             raise MoendError(f"method {spec.name} needs a plan")
-        return moend_from_prefill(plan, state, **moend_kw)
+        return moend_from_prefill(plan, state, **{**moend_kw, **spec.cache_options})
     if spec.kind == "full":
         cache = DynamicCache(config=model.config)
     elif spec.kind == "hf":

@@ -63,8 +63,7 @@ class Evictor:
         self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
 
     @property
-    def needs_queries(self) -> bool:
-        """Whether the scorer reads queries (then :meth:`observe` keeps a window of them)."""
+    def needs_queries(self) -> bool:  # whether the scorer reads queries (then observe keeps a window of them)
         return self.scorer is not None and self.scorer.needs_queries
 
     # ------------------------------------------------------------------ state the scorer reads
@@ -75,7 +74,8 @@ class Evictor:
         if not self.evicting:
             return  # a layer that keeps every token never scores: it keeps neither offsets nor queries
         b, _, n_q, _ = q.shape
-        self.queries_seen += n_q
+        if n_q > 1:  # a decode step's one query is counted by decode_step, outside any compiled graph
+            self.queries_seen += n_q
         slots = torch.arange(logical - n_q, logical, device=q.device)
         if position_ids is not None:
             pid = position_ids.to(q.device).long().expand(b, -1)[:, -n_q:]
@@ -92,8 +92,7 @@ class Evictor:
             self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
             self.queries_seen = tokens
 
-    def index_batch(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` [B'] of the window and the offsets."""
+    def index_batch(self, index: torch.Tensor) -> None:  # keep batch rows index [B'] of window and offsets
         self.window.index_batch(index)
         if self.rope_offset is not None:
             self.rope_offset = self.rope_offset.index_select(0, index.to(self.rope_offset.device))
@@ -113,6 +112,7 @@ class Evictor:
     def decode_step(self, packed: PackedKV, lmask: torch.Tensor | None, logical: int) -> PackedKV:
         """Count one decode step, then :meth:`evict` (the policy's cadence decides whether it is due)."""
         self.decode_steps += 1
+        self.queries_seen += int(self.evicting)  # the step's query, which observe pushed if evicting
         return self.evict(packed, lmask, chunk=False, logical=logical)
 
     def defer(self, lmask: torch.Tensor | None) -> None:
@@ -120,9 +120,7 @@ class Evictor:
         so they wait for :meth:`finish_deferred`, outside the graph (no guard on the step count)."""
         self._deferred = (True, lmask)
 
-    @property
-    def deferred(self) -> bool:
-        return self._deferred[0]
+    deferred = property(lambda self: self._deferred[0])
 
     @torch.compiler.disable
     def finish_deferred(self, packed: PackedKV, logical: int) -> PackedKV:
@@ -218,6 +216,12 @@ class Evictor:
                                                         evicting=self.evicting)
         return packed
 
+    def start(self, packed: PackedKV, logical: int) -> PackedKV:
+        """Start evicting now (capacity mode, between steps), evicting at once if the positions leave no room."""
+        kv = self._start_evicting(packed, None, logical)
+        self._check_in = 0
+        return self.evict(kv, None, chunk=False, logical=logical)
+
     def _start_evicting(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, logical: int,
                         ) -> PackedKV | DenseKV:
         """A layer that kept every token outgrew its cap: from now on it stores positions (token i is at slot i,
@@ -269,8 +273,7 @@ class Evictor:
             k, v, pos = evict_rows(k, v, pos, real, targets, self._select, self.window.slots)
         return PackedKV.from_dense(k, v, self.config, self.group_size, pos, valid=real_at(lmask, pos))
 
-    def _pack(self, kv: DenseKV, lmask: torch.Tensor | None) -> PackedKV:
-        """A prompt compressed as it is (nothing evicted): its padding kept, but out of K's groups' min/max."""
+    def _pack(self, kv: DenseKV, lmask: torch.Tensor | None) -> PackedKV:  # nothing evicted; pads out of min/max
         slots = kv.positions if kv.positions is not None else slot_positions(0, kv.keys.shape[2], kv.keys)
         valid = real_at(lmask, slots.long())
         return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions, valid=valid)

@@ -145,10 +145,15 @@ def test_measured_bytes_equal_memory_model(model, table, example, method, budget
     stats = [table.layer_stats(i) for i in range(table.num_layers)]
     cache = build_cache(METHODS[method], state, model=model, plan=entry.plan, rope=rope_from_model(model),
                         query_stats=stats)
-    assert cache_nbytes(cache) == plan_bytes(entry.plan, state.length)  # byte-exact, not estimated
-    assert cache_nbytes(cache) <= entry.budget_bytes
+    # byte-exact, not estimated: what the cache holds is what the memory model says it holds; in capacity mode
+    # (the default) it holds at most the plan's bytes at the prompt's length, which the plan was solved for,
+    # and leaves room in them for the tokens the decode adds
+    assert cache_nbytes(cache) == cache.model_bytes().total
+    assert cache.budget_bytes().total == plan_bytes(entry.plan, state.length) <= entry.budget_bytes
+    assert cache_nbytes(cache) <= plan_bytes(entry.plan, state.length)
     floor = keep_floor(entry.plan)  # sinks + recent window: short prompts keep at least these
-    assert cache.held_tokens() == [keep_count(state.length, c.keep_ratio, floor) for c in entry.plan.layers]
+    want = [keep_count(state.length, c.keep_ratio, floor) for c in entry.plan.layers]
+    assert all(h <= w for h, w in zip(cache.held_tokens(), want))
 
 
 def test_state_is_not_modified_by_methods(model, table, example):
