@@ -136,10 +136,11 @@ def _plot_kernels(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["method"] for r in rows):
-        pts = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                linestyle="--" if name.startswith("reference") else "-")
+    for name, threads in dict.fromkeys((r["method"], r.get("threads", 0)) for r in rows):
+        pts = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == name and r.get("threads", 0) == threads)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if threads != 1 else ".",
+                label=f"{name} ({threads} thr)" if threads else name,
+                linestyle="--" if name.startswith("reference") else (":" if threads == 1 else "-"))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("held tokens")

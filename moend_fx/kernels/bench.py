@@ -1,12 +1,16 @@
 """Micro-benchmark of one decode attention call over a compressed layer (``python -m moend_fx.kernels.bench``).
 
-q: [1, 9, 1, 64] over 3 KV heads (SmolLM2's shapes) at several held lengths, for
-* ``sdpa_fp32``: torch SDPA on dense fp32 K/V (the baseline),
+q: [1, 9, 1, 64] over 3 KV heads (SmolLM2's shapes) at several held lengths, at 1 thread and at the current
+thread count (``torch.get_num_threads()``, e.g. 2), in one run, for
+* ``sdpa_fp32``: torch SDPA on dense fp32 K/V of the same tokens (the baseline),
 * ``reference_k{b}v{b}``: dequantize the layer with torch ops, then SDPA,
-* ``cpu_k{b}v{b}``: the fused C++ kernel (16 = stored as fp16, 8, 4 bits).
+* ``cpu_k{b}v{b}``: the fused C++ kernel (16 = stored as fp16, 8, 4, 2 bits).
 
 Each method gets its own set of copies of the inputs, used in rotation, so that every call reads its
 K/V from memory rather than from a cache warmed by the previous call (design.md). Median of ``runs``.
+``gb_per_s`` is the bytes the method reads (dense fp32 for SDPA; the compressed layer, scales and residual
+included, for the others) over its time; ``x_vs_sdpa`` is SDPA's time over the method's at the same thread
+count; ``x_vs_1_thread`` the method's 1-thread time over its time at this row's thread count.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV
 
 ROTATE_BYTES = 96 * 2**20  # more than the last-level cache, so rotated copies come from DRAM
+DEFAULT_LENGTHS = (8192, 32768, 131072)
+DEFAULT_BITS = (16, 8, 4, 2)
+REFERENCE_MAX_TOKENS = 32768  # dequantize + SDPA is 10-30x slower: timed only up to here
 
 
 def _time(fn: Callable[[int], object], copies: int, runs: int) -> float:
@@ -43,67 +50,103 @@ def _time(fn: Callable[[int], object], copies: int, runs: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedKV]], n: int) -> list[tuple]:
+    """(method, bytes read, fn(copy index)) for every method at one length."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out: list[tuple] = [("sdpa_fp32", 2 * ks[0].numel() * 4,
+                         lambda i: F.scaled_dot_product_attention(q, ks[i], vs[i], scale=scale, enable_gqa=True))]
+    for b, ls in layers.items():
+        if b != 16 and n <= REFERENCE_MAX_TOKENS:
+            def ref(i, ls=ls):
+                k, v = ls[i].dequantize(torch.float32)
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+            out.append((f"reference_k{b}v{b}", ls[0].nbytes(), ref))
+        if cpu.available():
+            out.append((f"cpu_k{b}v{b}", ls[0].nbytes(), lambda i, ls=ls: packed_attention(q, ls[i], kernel="cpu")))
+    return out
+
+
 def bench_decode(
-    lengths: tuple[int, ...] = (2048, 8192, 32768), runs: int = 30, heads: int = 9, kv_heads: int = 3,
-    head_dim: int = 64, bits: tuple[int, ...] = (16, 8, 4), group_size: int = GROUP_SIZE, seed: int = 0,
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS, runs: int = 30, heads: int = 9, kv_heads: int = 3,
+    head_dim: int = 64, bits: tuple[int, ...] = DEFAULT_BITS, group_size: int = GROUP_SIZE, seed: int = 0,
+    threads: tuple[int, ...] | None = None,
 ) -> list[dict]:
-    """Median ms per call for each method and length; rows of {method, tokens, ms, ratio_vs_sdpa, bytes}."""
+    """Median ms per call for each method, length and thread count (default: 1 and the current count).
+
+    Rows: {method, tokens, threads, ms, bytes, gb_per_s, x_vs_sdpa, x_vs_1_thread, ratio_vs_sdpa}."""
+    before = torch.get_num_threads()
+    threads = threads or tuple(sorted({1, before}))
     g = torch.Generator().manual_seed(seed)
-    rows: list[dict] = []
     q = torch.randn(1, heads, 1, head_dim, generator=g)
-    scale = 1.0 / math.sqrt(head_dim)
-    for n in lengths:
-        dense_bytes = 2 * kv_heads * n * head_dim * 4
-        copies = max(2, math.ceil(ROTATE_BYTES / dense_bytes))
-        ks = [torch.randn(1, kv_heads, n, head_dim, generator=g) for _ in range(copies)]
-        vs = [torch.randn(1, kv_heads, n, head_dim, generator=g) for _ in range(copies)]
-        def sdpa(i, ks=ks, vs=vs):
-            return F.scaled_dot_product_attention(q, ks[i], vs[i], scale=scale, enable_gqa=True)
+    rows: list[dict] = []
+    try:
+        for n in lengths:
+            copies = max(2, math.ceil(ROTATE_BYTES / (2 * kv_heads * n * head_dim * 4)))
+            ks = [torch.randn(1, kv_heads, n, head_dim, generator=g) for _ in range(copies)]
+            vs = [torch.randn(1, kv_heads, n, head_dim, generator=g) for _ in range(copies)]
+            layers = {b: [PackedKV.from_dense(ks[i], vs[i], LayerConfig(1.0, b, b), group_size)
+                          for i in range(copies)] for b in bits}
+            for t in threads:
+                torch.set_num_threads(t)
+                for method, nbytes, fn in _methods(q, ks, vs, layers, n):
+                    rows.append({"method": method, "tokens": n, "threads": t, "ms": _time(fn, copies, runs),
+                                 "bytes": nbytes})
+            del ks, vs, layers
+    finally:
+        torch.set_num_threads(before)
+    return _ratios(rows)
 
-        sdpa_ms = _time(sdpa, copies, runs)
-        rows.append({"method": "sdpa_fp32", "tokens": n, "ms": sdpa_ms, "bytes": dense_bytes})
-        for b in bits:
-            layers = [PackedKV.from_dense(ks[i], vs[i], LayerConfig(1.0, b, b), group_size) for i in range(copies)]
-            nbytes = layers[0].nbytes()
-            if b != 16:
-                def ref(i, layers=layers):
-                    k, v = layers[i].dequantize(torch.float32)
-                    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-                rows.append({"method": f"reference_k{b}v{b}", "tokens": n, "ms": _time(ref, copies, runs),
-                             "bytes": nbytes})
-            if cpu.available():
-                ms = _time(lambda i, layers=layers: packed_attention(q, layers[i], kernel="cpu"), copies, runs)
-                rows.append({"method": f"cpu_k{b}v{b}", "tokens": n, "ms": ms, "bytes": nbytes})
-            del layers
-    base = {r["tokens"]: r["ms"] for r in rows if r["method"] == "sdpa_fp32"}
+def _ratios(rows: list[dict]) -> list[dict]:
+    sdpa = {(r["tokens"], r["threads"]): r["ms"] for r in rows if r["method"] == "sdpa_fp32"}
+    one = {(r["method"], r["tokens"]): r["ms"] for r in rows if r["threads"] == 1}
     for r in rows:
-        r["ratio_vs_sdpa"] = r["ms"] / base[r["tokens"]]
+        r["ratio_vs_sdpa"] = r["ms"] / sdpa[r["tokens"], r["threads"]]
+        r["x_vs_sdpa"] = 1.0 / r["ratio_vs_sdpa"]
         r["gb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+        base = one.get((r["method"], r["tokens"]))
+        r["x_vs_1_thread"] = base / r["ms"] if base else None
     return rows
 
 
+def _goals(rows: list[dict]) -> list[str]:
+    """The issue's targets for k4v4, read off the rows at the largest thread count."""
+    top = max(r["threads"] for r in rows)
+    k4 = {r["tokens"]: r for r in rows if r["method"] == "cpu_k4v4" and r["threads"] == top}
+    if not k4:
+        return []
+    lines = ["", f"k4v4 at {top} threads against the targets (issue 15):", "",
+             "| tokens | x faster than fp32 SDPA (target >= 5 at 8k) | GB/s (target >= 10 at 32k, 128k) "
+             f"| {top} vs 1 thread (target >= 1.7 at 32k) |", "| ---: | ---: | ---: | ---: |"]
+    for n, r in sorted(k4.items()):
+        x1 = f"{r['x_vs_1_thread']:.2f}" if r["x_vs_1_thread"] else "-"
+        lines.append(f"| {n} | {r['x_vs_sdpa']:.2f} | {r['gb_per_s']:.1f} | {x1} |")
+    return lines
+
+
 def to_markdown(rows: list[dict]) -> str:
-    lines = [f"Decode attention, q 1x9x1x64, 3 KV heads, {torch.get_num_threads()} threads, median ms "
-             "(ratio = time / fp32 SDPA time; < 1 is faster)", "",
-             "| method | tokens | ms | ratio vs SDPA | bytes read | GB/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    counts = ", ".join(str(t) for t in sorted({r["threads"] for r in rows}))
+    lines = [f"Decode attention, q 1x9x1x64, 3 KV heads, {counts} threads, median ms (x vs SDPA = fp32 SDPA time "
+             "/ time at the same thread count, > 1 is faster; GB/s on the bytes each method reads)", "",
+             "| method | tokens | threads | ms | x vs SDPA | bytes read | GB/s | x vs 1 thread |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['tokens']} | {r['ms']:.3f} | {r['ratio_vs_sdpa']:.2f} | "
-                     f"{r['bytes']} | {r['gb_per_s']:.1f} |")
-    return "\n".join(lines) + "\n"
+        x1 = f"{r['x_vs_1_thread']:.2f}" if r["threads"] != 1 and r["x_vs_1_thread"] else "-"
+        lines.append(f"| {r['method']} | {r['tokens']} | {r['threads']} | {r['ms']:.3f} | {r['x_vs_sdpa']:.2f} | "
+                     f"{r['bytes']} | {r['gb_per_s']:.1f} | {x1} |")
+    return "\n".join(lines + _goals(rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="2048,8192,32768")
+    ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    ap.add_argument("--threads", default="", help="comma list of thread counts (default: 1 and the current)")
     ap.add_argument("--out", default="bench_kernels", help="output prefix: writes <out>.json and <out>.md")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows = bench_decode(tuple(int(x) for x in args.lengths.split(",")), runs=args.runs)
+    threads = tuple(int(x) for x in args.threads.split(",")) if args.threads else None
+    rows = bench_decode(tuple(int(x) for x in args.lengths.split(",")), runs=args.runs, threads=threads)
     md = to_markdown(rows)
     atomic_write_text(Path(args.out + ".json"), json.dumps(rows, indent=1))
     atomic_write_text(Path(args.out + ".md"), md)

@@ -2,9 +2,12 @@
 
 The extension is compiled once with ``torch.utils.cpp_extension.load`` into
 ``$MOEND_CACHE/torch_extensions/moend_attn_<hash>`` (default ``~/.cache/moend/...``); the hash covers the
-source, the compiler flags and the torch version, so an edit or an upgrade rebuilds. ``-mavx2 -mfma -mf16c``
-are added only when this CPU reports those flags. If the compiler is missing or the build fails, one
-warning is issued and :func:`available` returns False: callers then use the reference path.
+sources (``moend_attn.cpp`` and its headers), the compiler flags and the torch version, so an edit or an
+upgrade rebuilds. It is compiled and linked with ``-fopenmp`` when torch's parallel backend is OpenMP, so
+``at::parallel_for`` runs on torch's own OpenMP pool (the system libgomp has the soname torch loads: one
+runtime); without it ``at::parallel_for`` is a serial loop. ``-mavx2 -mfma -mf16c`` are added only when this
+CPU reports those flags (else the portable loops are compiled). If the compiler is missing or the build
+fails, one warning is issued and :func:`available` returns False: callers then use the reference path.
 
 Set ``MOEND_CPU_KERNEL=0`` to skip the build and always use the reference.
 """
@@ -20,6 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("moend_attn.cpp")
+HEADERS = (SOURCE.with_name("moend_attn_simd.h"), SOURCE.with_name("moend_attn_loops.h"))
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "error": None}
 
@@ -41,32 +46,53 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def compile_flags() -> list[str]:
-    """-O3, plus AVX2/FMA/F16C only when this CPU has them (CI builds on the machine that runs it)."""
-    flags = ["-O3", "-fopenmp-simd"]
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-    return flags
+def torch_uses_openmp() -> bool:
+    """Whether torch's intra-op pool is OpenMP (then the kernel is built with -fopenmp to share it)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def _build_name(flags: list[str]) -> str:
+def compile_flags(avx2: bool | None = None) -> list[str]:
+    """-O3 (+ -fopenmp when torch uses OpenMP), plus AVX2/FMA/F16C when this CPU has them (CI builds on the
+    machine that runs it); ``avx2=False`` forces the portable loops (tests)."""
+    flags = ["-O3", "-fopenmp" if torch_uses_openmp() else "-fopenmp-simd"]
+    if avx2 is None:
+        avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
+    return flags + (AVX2_FLAGS if avx2 else [])
+
+
+def _build_name(flags: list[str], prefix: str = "moend_attn") -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for path in (SOURCE, *HEADERS):
+        h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
-    return f"moend_attn_{h.hexdigest()[:12]}"
+    return f"{prefix}_{h.hexdigest()[:12]}"
+
+
+def build(flags: list[str], namespace: str = "moend_cpu") -> Path:
+    """Compile (or reuse) the extension with ``flags`` and load it: registers
+    ``torch.ops.<namespace>.packed_attention``. Returns the built library's path."""
+    from torch.utils.cpp_extension import load
+
+    defines = [] if namespace == "moend_cpu" else [f"-DMOEND_OP_NS={namespace}"]
+    name = _build_name(flags + defines, prefix="moend_attn" if not defines else f"moend_attn_{namespace}")
+    build_dir = cache_root() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
+    load(name=name, sources=[str(SOURCE)], extra_cflags=flags + defines, extra_ldflags=ldflags,
+         extra_include_paths=[str(SOURCE.parent)], build_directory=str(build_dir), is_python_module=False,
+         verbose=False)
+    return build_dir / f"{name}.so"
 
 
 def _compile() -> None:
-    """Compile (or reuse) the extension and load it; registers ``torch.ops.moend_cpu.packed_attention``."""
-    from torch.utils.cpp_extension import load
+    """Build the kernel for this CPU and load it; registers ``torch.ops.moend_cpu.packed_attention``."""
+    _state["path"] = build(compile_flags())
 
-    flags = compile_flags()
-    name = _build_name(flags)
-    build_dir = cache_root() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
-         is_python_module=False, verbose=False)
+
+def library_path() -> Path | None:
+    """The loaded kernel's shared library (None before :func:`available` built it)."""
+    return _state.get("path")  # type: ignore[return-value]
 
 
 def available() -> bool:

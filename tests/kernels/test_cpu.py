@@ -1,0 +1,51 @@
+"""The build of the C++ kernel (moend_fx/kernels/cpu.py): OpenMP shared with torch, and the portable loops."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moend_fx.attention.reference import reference_attention
+from moend_fx.kernels import cpu, layer_tensors, packed_attention
+from moend_fx.kernels.precision import FP32_ATOL, FP32_RTOL, kernel_atol
+from tests.kernels.test_moend_attn import make_case
+
+PORTABLE_NS = "moend_cpu_portable"
+
+
+def test_built_with_torchs_openmp():
+    assert cpu.available(), cpu.build_error()
+    if not cpu.torch_uses_openmp():
+        pytest.skip("torch's parallel backend is not OpenMP here")
+    assert "-fopenmp" in cpu.compile_flags()
+    # Without -fopenmp at::parallel_for compiles to a serial loop and the library needs no GOMP symbol.
+    assert b"GOMP_parallel" in cpu.library_path().read_bytes()
+
+
+def test_compile_flags():
+    assert not set(cpu.AVX2_FLAGS) & set(cpu.compile_flags(avx2=False))
+    assert set(cpu.AVX2_FLAGS) <= set(cpu.compile_flags(avx2=True))
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The kernel built without -mavx2 (the loops a CPU without AVX2 runs), under its own op namespace."""
+    try:
+        cpu.build(cpu.compile_flags(avx2=False), namespace=PORTABLE_NS)
+    except Exception as e:  # no compiler: the main kernel's tests already fail loudly
+        pytest.skip(f"portable build failed: {e}")
+    return getattr(torch.ops, PORTABLE_NS).packed_attention
+
+
+@pytest.mark.parametrize("kb, vb", list(itertools.product([2, 4, 8, 16], repeat=2)))
+def test_portable_loops_match_reference_and_avx2(portable, kb, vb):
+    for seed, (d, gq, n, l) in enumerate([(64, 3, 3 * 32 + 7, 1), (128, 7, 2 * 32, 2), (64, 1, 19, 1)]):
+        q, layer = make_case(seed, 1, 2, gq, l, n, d, kb, vb)
+        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, 0)
+        out = portable(*args)
+        # int16 query rounding + fp32 reordering (moend_fx/kernels/precision.py)
+        torch.testing.assert_close(out, reference_attention(q, layer), atol=kernel_atol(q, layer), rtol=FP32_RTOL)
+        # Both builds round q*s to the same int16 and sum the codes exactly: only float reordering differs.
+        torch.testing.assert_close(out, packed_attention(q, layer, kernel="cpu"), atol=FP32_ATOL, rtol=FP32_RTOL)
