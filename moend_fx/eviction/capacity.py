@@ -77,12 +77,15 @@ class LayerBudget:
 
     def target(self, candidates: Sequence[int], slots: int, queries: int, *, batch: int, dtype: Any,
                room: int) -> int | None:
-        """The largest of ``candidates`` (ascending token counts an eviction can leave) that fits now and leaves
-        room for the next ``room`` tokens, else the largest that fits now and the next token; None if none fits.
+        """The count an eviction leaves, out of ``candidates`` (ascending token counts it can leave): the largest
+        that fits now and leaves room for the next ``room`` tokens, unless that costs more than one group's worth
+        of tokens against the largest that fits now and the next token (a small cap, where the 16-bit residual
+        window's swing would cost most of the layer: it keeps its tokens and evicts more often instead); None if
+        none fits.
 
-        A count fits when it and every count up to ``ahead`` tokens later stay within the cap. Over a window that
-        long that is monotonic in the count (up to a partial group's jitter, which the final check absorbs), so
-        a long ``range`` is bisected rather than scanned."""
+        A count fits when it and every count up to ``ahead`` tokens later stay within the cap. Over ``room`` tokens
+        that is monotonic in the count (up to a partial group's jitter, which the final check absorbs), so a long
+        ``range`` is bisected rather than scanned."""
         cap = self.cap(batch=batch, dtype=dtype)
 
         def fits(m: int, ahead: int) -> bool:
@@ -90,7 +93,7 @@ class LayerBudget:
                 self.held(m + j, slots + j, queries + j, batch=batch, dtype=dtype, evicting=True) <= cap
                 for j in range(ahead + 1))
 
-        for ahead in (room, 1):
+        def largest(ahead: int) -> int | None:
             lo, hi = 0, len(candidates)  # invariant: candidates[:lo] fit (as far as bisection tells)
             while lo < hi:
                 mid = (lo + hi) // 2
@@ -98,10 +101,15 @@ class LayerBudget:
                     lo = mid + 1
                 else:
                     hi = mid
-            for i in range(lo - 1, -1, -1):  # the jitter: step down until one truly fits
-                if fits(candidates[i], ahead):
-                    return candidates[i]
-        return None
+            return next((candidates[i] for i in range(lo - 1, -1, -1) if fits(candidates[i], ahead)), None)
+
+        # one token ahead is not monotonic (a count just below a group boundary holds a full residual window):
+        # scan down from the top, where a fit is found within about a group
+        tight = next((m for m in reversed(candidates) if fits(m, 1)), None)
+        roomy = largest(room)
+        if roomy is not None and (tight is None or tight - roomy <= self.group_size):
+            return roomy
+        return tight
 
     def check_fits_one(self, slots: int, queries: int, *, batch: int, dtype: Any, layer_idx: int) -> None:
         """A MoendError when even one token plus the eviction state exceeds the cap (a plan too small to run)."""
