@@ -187,21 +187,25 @@ def _check_shapes(q: tuple[Any, ...], k: Side, v: Side, group_size: int) -> None
     shapes = {side.name: _shapes(side) for side in (k, v)}
     kr, vr = shapes["K"]["res"], shapes["V"]["res"]
     hkv = kr[1]
-    if surely_differ(kr[0], b) or surely_differ(kr[3], d) or any(surely_differ(x, y) for x, y in zip(kr, vr)):
+    # V's residual is K's (V split like K) or holds no token (V packed on arrival: its packed part has P + R)
+    v_arrival = statically_known_true(vr[2] == 0)
+    v_like_k = (*kr[:2], 0, kr[3]) if v_arrival else kr
+    if surely_differ(kr[0], b) or surely_differ(kr[3], d) or any(surely_differ(x, y) for x, y in zip(v_like_k, vr)):
         raise NoFuse(f"residual windows {kr} / {vr} do not fit q {q}")
     if isinstance(h, int) and isinstance(hkv, int) and (hkv == 0 or h % hkv):
         raise NoFuse(f"query heads {h} are not a multiple of KV heads {hkv}")
     p = shapes["K"]["packed"][2]
     for side, mode in ((k, QuantMode.CHANNEL), (v, QuantMode.TOKEN)):
+        n = p + kr[2] if side is v and v_arrival else p
         ps = shapes[side.name]["packed"]
         width = d if side.raw else packed_width(d, side.bits)
-        if any(surely_differ(x, y) for x, y in zip(ps, (b, hkv, p, width))):
-            raise NoFuse(f"{side.name} packed part {ps} does not fit [B={b}, Hkv={hkv}, P={p}, {width}]")
+        if any(surely_differ(x, y) for x, y in zip(ps, (b, hkv, n, width))):
+            raise NoFuse(f"{side.name} packed part {ps} does not fit [B={b}, Hkv={hkv}, P={n}, {width}]")
         if side.raw:
             continue
         if side.head_dim != d:
             raise NoFuse(f"{side.name} is dequantized to head_dim {side.head_dim}, q has {d}")
-        want = scale_shape(mode, b, hkv, p, d, group_size)
+        want = scale_shape(mode, b, hkv, n, d, group_size)
         for what in ("scale", "zero"):
             s = shapes[side.name][what]
             if any(surely_differ(x, y) for x, y in zip(s, want)):

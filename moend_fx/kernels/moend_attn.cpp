@@ -1,4 +1,4 @@
-// Fused CPU attention over one compressed layer (packed K/V + residual window).
+// Fused CPU attention over one compressed layer (packed K/V + residual window; V may have none).
 //
 // One pass over the held tokens per work unit = (batch row x KV head, token split, block of query rows):
 // logits of a block of tokens for every query row of the GQA group (integer dots against the K codes), online
@@ -76,7 +76,7 @@ void k_residual(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s,
 
 template <int VB>
 void v_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, const float* p, int ldl, Scratch& s) {
-  const int64_t tok0 = bkv * a.P + t0;
+  const int64_t tok0 = bkv * a.Pv + t0;
   v_block_prep(a, tok0, n, rows, p, ldl, s);
   const uint8_t* codes = static_cast<const uint8_t*>(a.vp) + tok0 * a.Wv;
 #ifdef __AVX2__
@@ -95,12 +95,12 @@ void v_rows(const Args& a, const T* base, int n, int rows, const float* p, int l
 
 template <typename T>
 void v_raw(const Args& a, int64_t bkv, int t0, int n, int rows, const float* p, int ldl, Scratch& s) {
-  v_rows<T>(a, static_cast<const T*>(a.vp) + (bkv * a.P + t0) * a.D, n, rows, p, ldl, s);
+  v_rows<T>(a, static_cast<const T*>(a.vp) + (bkv * a.Pv + t0) * a.D, n, rows, p, ldl, s);
 }
 
 template <typename T>
 void v_residual(const Args& a, int64_t bkv, int t0, int n, int rows, const float* p, int ldl, Scratch& s) {
-  v_rows<T>(a, static_cast<const T*>(a.vr) + (bkv * a.R + (t0 - a.P)) * a.D, n, rows, p, ldl, s);
+  v_rows<T>(a, static_cast<const T*>(a.vr) + (bkv * a.Rv + (t0 - a.Pv)) * a.D, n, rows, p, ldl, s);
 }
 
 template <int KB>
@@ -293,7 +293,8 @@ void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* par
     (packed ? kfn : &k_residual<T>)(a, bkv, t0, n, rows, s, BT);
     for (int r = 0; r < rows; ++r)
       softmax_step(a, s, r, n, std::max(0, std::min(n, limit[r] - t0 + 1)), mrow[r], lrow[r]);
-    (packed ? vfn : &v_residual<T>)(a, bkv, t0, n, rows, s.lg.data(), BT, s);
+    // V packed on arrival (Rv = 0) reads its codes for the residual window's tokens too
+    (packed || a.Rv == 0 ? vfn : &v_residual<T>)(a, bkv, t0, n, rows, s.lg.data(), BT, s);
     t0 = t1;
   }
   finish_unit(a, rows, s, acc);
@@ -368,13 +369,17 @@ void check_side_dtypes(const char* side, const char* res_name, int64_t bits, con
   }
 }
 
-void fill_shapes(Args& a, const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_res, int64_t k_bits,
-                 int64_t v_bits, int64_t group_size) {
+void fill_shapes(Args& a, const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_res,
+                 const at::Tensor& v_packed, const at::Tensor& v_res, int64_t k_bits, int64_t v_bits,
+                 int64_t group_size) {
   a.B = q.size(0), a.H = q.size(1), a.L = q.size(2), a.D = q.size(3);
   a.Hkv = k_res.size(1);
   TORCH_CHECK(a.H % a.Hkv == 0, "query heads must be a multiple of KV heads");
   a.Gq = a.H / a.Hkv;
   a.P = k_packed.size(2), a.R = k_res.size(2), a.S = a.P + a.R;
+  a.Rv = v_res.size(2), a.Pv = a.S - a.Rv;
+  TORCH_CHECK(v_res.dim() == 4 && (a.Rv == a.R || a.Rv == 0) && v_packed.size(2) == a.Pv,
+              "V must be split like K or have no residual (packed on arrival)");
   a.G = static_cast<int>(group_size);
   a.Gv = std::min(a.G, a.D);
   a.kbits = static_cast<int>(k_bits), a.vbits = static_cast<int>(v_bits);
@@ -399,16 +404,17 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k_packed, con
                             int64_t k_bits, int64_t v_bits, int64_t group_size, double scale, bool causal,
                             int64_t num_splits) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32 [B,H,L,D]");
-  TORCH_CHECK(k_res.dim() == 4 && k_res.is_contiguous() && v_res.is_contiguous(), "k_res/v_res: contiguous");
+  TORCH_CHECK(k_res.dim() == 4 && k_res.is_contiguous() && v_res.is_contiguous() && v_packed.dim() == 4,
+              "k_res/v_res: contiguous");
   TORCH_CHECK(k_res.scalar_type() == v_res.scalar_type(), "k_res and v_res dtypes differ");
   Args a{};
-  fill_shapes(a, q, k_packed, k_res, k_bits, v_bits, group_size);
+  fill_shapes(a, q, k_packed, k_res, v_packed, v_res, k_bits, v_bits, group_size);
   a.causal = causal;
   a.scale = static_cast<float>(scale);
   for (const at::Tensor* t : {&k_packed, &k_scale, &k_zero, &v_packed, &v_scale, &v_zero})
     TORCH_CHECK(t->is_contiguous(), "packed tensors must be contiguous");
   check_side_dtypes("K", "k_res", k_bits, k_packed, k_scale, k_zero, k_res, a.P);
-  check_side_dtypes("V", "v_res", v_bits, v_packed, v_scale, v_zero, v_res, a.P);
+  check_side_dtypes("V", "v_res", v_bits, v_packed, v_scale, v_zero, v_res, a.Pv);
   a.q = q.data_ptr<float>();
   a.kp = k_packed.data_ptr();
   a.vp = v_packed.data_ptr();

@@ -31,6 +31,7 @@ namespace moend {
 
 struct Args {
   int B, H, Hkv, Gq, L, D, P, R, S, G, Gv;
+  int Pv, Rv;  // V's packed / residual tokens: (P, R) when V is split like K, (S, 0) when packed on arrival
   int kbits, vbits, kper, vper, Wk, Wv;
   int nchk, nchv, Dpk, Dpv;  // 16-byte chunks per code row; positions (nch * 16 * per) per side
   int ng, wpg;               // V groups per token; bytes per V group
@@ -43,9 +44,9 @@ struct Args {
   const at::Half* kz;  // [B, Hkv, P/G, D]
   const void* vp;
   const at::Half* vs;
-  const at::Half* vz;  // [B, Hkv, P, D/Gv]
-  const void* kr;
-  const void* vr;  // [B, Hkv, R, D] T
+  const at::Half* vz;  // [B, Hkv, Pv, D/Gv]
+  const void* kr;  // [B, Hkv, R, D] T
+  const void* vr;  // [B, Hkv, Rv, D] T
   std::vector<int> permk, permv;  // position -> channel, or -1
   std::vector<int> gatherk;       // position -> channel, or D (padding)
 };

@@ -46,7 +46,7 @@ def check_inputs(
     if q.dim() != 4:
         raise MoendError(f"q must be [B, H, L, D]; got shape {tuple(q.shape)}")
     b, h, l, d = q.shape
-    if k_res.dim() != 4 or k_res.shape != v_res.shape:
+    if k_res.dim() != 4 or v_res.dim() != 4:
         raise MoendError(f"k_res and v_res must both be [B, Hkv, R, D]; got {tuple(k_res.shape)} and "
                          f"{tuple(v_res.shape)}")
     _, hkv, r, _ = k_res.shape
@@ -55,24 +55,29 @@ def check_inputs(
     if hkv == 0 or h % hkv:
         raise MoendError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
     p = k_packed.shape[2] if k_packed.dim() == 4 else -1
-    for side, bits, packed, sc, ze, res, mode in (
-            ("k", k_bits, k_packed, k_scale, k_zero, k_res, QuantMode.CHANNEL),
-            ("v", v_bits, v_packed, v_scale, v_zero, v_res, QuantMode.TOKEN)):
+    # V is split like K (R residual tokens) or, packed on arrival, has no residual (P + R packed tokens)
+    if v_res.shape not in ((b, hkv, r, d), (b, hkv, 0, d)):
+        raise MoendError(f"v_res must be [B, Hkv, R, D] = {(b, hkv, r, d)} (V split like K) or {(b, hkv, 0, d)} "
+                         f"(V packed on arrival); got {tuple(v_res.shape)}")
+    pv = p + r - v_res.shape[2]
+    for side, bits, packed, sc, ze, res, mode, n in (
+            ("k", k_bits, k_packed, k_scale, k_zero, k_res, QuantMode.CHANNEL, p),
+            ("v", v_bits, v_packed, v_scale, v_zero, v_res, QuantMode.TOKEN, pv)):
         if bits == 16:
-            want = (b, hkv, p, d)
+            want = (b, hkv, n, d)
             if tuple(packed.shape) != want:
                 raise MoendError(f"{side}_packed (16-bit, raw) must be [B, Hkv, P, D] = {want}; "
                                  f"got {tuple(packed.shape)}")
             # the kernels read one raw type per side (a cache stores both in the same 16-bit type)
-            if packed.dtype not in _RAW_DTYPES or (p and packed.dtype != res.dtype):
+            if packed.dtype not in _RAW_DTYPES or (n and packed.dtype != res.dtype):
                 raise MoendError(f"{side}_packed (16-bit, raw) must be a float type, that of {side}_res "
                                  f"({res.dtype}); got {packed.dtype}")
             continue
-        want = (b, hkv, p, packed_width(d, bits))
+        want = (b, hkv, n, packed_width(d, bits))
         if tuple(packed.shape) != want or packed.dtype != torch.uint8:
             raise MoendError(f"{side}_packed ({bits}-bit codes) must be uint8 {want}; got {packed.dtype} "
                              f"{tuple(packed.shape)}")
-        want_s = scale_shape(mode, b, hkv, p, d, group_size)
+        want_s = scale_shape(mode, b, hkv, n, d, group_size)
         for name, t in ((f"{side}_scale", sc), (f"{side}_zero", ze)):
             if tuple(t.shape) != want_s:
                 raise MoendError(f"{name} must be {want_s}; got {tuple(t.shape)}")
@@ -142,12 +147,13 @@ def packed_attention_op(
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
 ) -> torch.Tensor:
-    """Attention of q: [B, H, L, D] over one compressed layer (P packed + R residual tokens).
+    """Attention of q: [B, H, L, D] over one compressed layer (P packed + R residual tokens of K).
 
     k_packed: uint8 codes [B, Hkv, P, D*k_bits/8] (or raw [B, Hkv, P, D] when k_bits == 16);
-    k_scale, k_zero: fp16 [B, Hkv, P/G, D] (empty when 16-bit); v_packed likewise;
-    v_scale, v_zero: fp16 [B, Hkv, P, D/min(G, D)]; k_res, v_res: [B, Hkv, R, D] as stored (fp16, or bf16 for a
-    bf16 model; any float type is read), a raw side in its residual's type.
+    k_scale, k_zero: fp16 [B, Hkv, P/G, D] (empty when 16-bit); v_packed likewise over Pv tokens, Pv = P (V split
+    like K) or P + R (V packed on arrival: v_res then holds no token);
+    v_scale, v_zero: fp16 [B, Hkv, Pv, D/min(G, D)]; k_res: [B, Hkv, R, D], v_res: [B, Hkv, P + R - Pv, D] as
+    stored (fp16, or bf16 for a bf16 model; any float type is read), a raw side in its residual's type.
     causal: the L queries are the newest L of the S = P + R held tokens (bottom-right mask).
     Returns [B, H, L, D] in q's dtype. This body is the fallback for devices without a kernel.
     """

@@ -4,7 +4,8 @@ One program = (batch row x KV head, token split, query block). It loads the quer
 (row m = query head ``m // L`` of the group, query ``m % L`` of the chunk), walks its share of the packed
 tokens ``BLOCK_N`` at a time, unpacks and dequantizes K and V in registers, and keeps an online softmax
 (running max ``m_i``, running sum ``l_i``, unnormalised ``acc``). The last split also walks the residual
-window. Splits write (m_i, l_i, acc) partials, merged by a log-sum-exp in torch (a few KB).
+window (whose V a quantized V holds packed: it is packed on arrival). Splits write (m_i, l_i, acc) partials,
+merged by a log-sum-exp in torch (a few KB).
 
 Specialised by ``tl.constexpr`` on K bits, V bits, head_dim, group size, block sizes and causal; the layer's
 kept length picks the split count (:func:`choose_splits`).
@@ -113,11 +114,12 @@ def _load_queries(q_ptr, b, kvh, offs_m, offs_d, H, L, S, scale, GQ: tl.constexp
 @triton.jit
 def _packed_decode_kernel(
     q_ptr, kp, ks, kz, vp, vs, vz, kr, vr, part_m, part_l, part_acc,
-    H, L, P, R, S, tokens_per_split, num_splits, scale,
+    H, L, P, R, S, PV, tokens_per_split, num_splits, scale,
     GQ: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, GROUP_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, V_RES: tl.constexpr,
 ):
+    # PV: V's packed tokens, P (V split like K, V_RES) or S (V packed on arrival: no V residual)
     tl.static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8")
     tl.static_assert(GROUP_V % 4 == 0, "the V group must hold whole bytes of 2-bit codes")
     tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (tl.dot)")
@@ -140,7 +142,7 @@ def _packed_decode_kernel(
         offs_n = t0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP, True)
-        v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, False, V_BITS, HEAD_DIM, GROUP_V, False)
+        v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM, GROUP_V, False)
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit)
 
     if split == num_splits - 1:
@@ -148,8 +150,12 @@ def _packed_decode_kernel(
             offs_n = t0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < R
             k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, True, K_BITS, HEAD_DIM, GROUP, True)
-            v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, P, R, True, V_BITS, HEAD_DIM, GROUP_V,
-                           False)
+            if V_RES:
+                v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, PV, R, True, V_BITS, HEAD_DIM, GROUP_V,
+                               False)
+            else:  # the residual window's tokens P + offs_n of a V packed on arrival
+                v = _load_side(vp, vs, vz, vr, bkv, P + offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM,
+                               GROUP_V, False)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit)
 
     # partials: [B*Hkv, splits, rows_padded] and [.., HEAD_DIM]
@@ -235,9 +241,9 @@ def packed_attention_triton(
         _packed_decode_kernel[(b * hkv, ns, n_mblk)](
             q.contiguous(), ptr(k_packed), ptr(k_scale), ptr(k_zero), ptr(v_packed), ptr(v_scale), ptr(v_zero),
             ptr(k_res), ptr(v_res.to(k_res.dtype)), part_m, part_l, part_acc,
-            h, l, p, r, p + r, per_split, ns, float(scale),
+            h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns, float(scale),
             GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=gv,
-            BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1),
+            BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1), V_RES=bool(v_res.shape[2]),
         )
     # Merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
     mx = part_m.amax(dim=1, keepdim=True)

@@ -2,12 +2,13 @@
 
 A layer that keeps ``n`` tokens stores, per batch row and KV head:
 
-* ``P = (n // G) * G`` tokens in packed groups (when K or V is quantized) and ``R = n - P`` tokens in a
+* K: ``P = (n // G) * G`` tokens in packed groups (when K or V is quantized) and ``R = n - P`` tokens in a
   residual window kept as is. A lossless layer (16/16 bits) stores all ``n`` as is.
 * packed K: ``P * D * k_bits / 8`` code bytes + fp16 scale and zero per (group of G tokens, channel);
   16-bit K is stored as is (``P * D * 2``).
-* packed V: ``P * D * v_bits / 8`` code bytes + fp16 scale and zero per (token, group of G channels);
-  16-bit V is stored as is.
+* V: a quantized V is packed as each token arrives (its groups are per token, so it needs no residual window):
+  ``n * D * v_bits / 8`` code bytes + fp16 scale and zero per (token, group of G channels). A 16-bit V is stored
+  as is, split like K (P packed, R residual: the same bytes either way).
 * "as is" means in the 16-bit storage type of the model's dtype (``moend_fx.common.dtypes.storage_dtype``: fp16,
   or bf16 for a bf16 model): 2 bytes per element whatever the model computes in.
 * positions: one integer per kept token, only when the layer evicts (keep_ratio < 1), in the narrowest type that
@@ -122,17 +123,18 @@ def layer_bytes_breakdown(
     d = head_dim
     rows = batch * kv_heads
     raw = storage_dtype(dtype).itemsize
+    pv, rv = (n, 0) if config.v_bits < 16 else (p, r)  # a quantized V is packed on arrival
     k_codes = p * d * raw if config.k_bits == 16 else p * d * config.k_bits // 8
-    v_codes = p * d * raw if config.v_bits == 16 else p * d * config.v_bits // 8
+    v_codes = pv * d * raw if config.v_bits == 16 else pv * d * config.v_bits // 8
     k_scales = 0 if config.k_bits == 16 else (p // group_size) * d * 2 * SCALE_BYTES
     v_groups = math.ceil(d / min(group_size, d))
-    v_scales = 0 if config.v_bits == 16 else p * v_groups * 2 * SCALE_BYTES
+    v_scales = 0 if config.v_bits == 16 else pv * v_groups * 2 * SCALE_BYTES
     position_bytes = position_dtype(max(tokens, n) if slots is None else slots).itemsize
     return {
         "k_codes": rows * k_codes,
         "v_codes": rows * v_codes,
         "scales": rows * (k_scales + v_scales),
-        "residual": rows * 2 * r * d * raw,
+        "residual": rows * (r + rv) * d * raw,
         "positions": rows * n * position_bytes if (config.evicts if positions is None else positions) else 0,
     }
 

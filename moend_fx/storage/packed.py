@@ -102,9 +102,12 @@ def _stored_positions(positions: torch.Tensor) -> torch.Tensor:
 class PackedKV:
     """Compressed K/V of one layer holding ``n = P + R`` tokens per (batch row, KV head).
 
-    k_packed / v_packed: the first P tokens (P a multiple of ``group_size``; 0 for a lossless layer), a
-    :class:`QuantizedTensor` or, for a 16-bit side, a raw tensor [B, H, P, D] in the storage dtype.
-    k_res / v_res: [B, H, R, D] the last R tokens in the storage dtype.
+    k_packed: K of the first P tokens (P a multiple of ``group_size``; 0 for a lossless layer), a
+    :class:`QuantizedTensor` or, for 16-bit K, a raw tensor [B, H, P, D] in the storage dtype.
+    v_packed: V likewise, of the first Pv tokens: a quantized V is packed as each token arrives (its groups are per
+    token, so no token waits for a group; Pv = n), a 16-bit V follows K's split (Pv = P).
+    k_res: [B, H, R, D] K of the last R tokens in the storage dtype; v_res: [B, H, n - Pv, D] likewise (no tokens
+    when V is quantized).
     positions: [B, H, n] int16 (int32 past 32768 slots) original positions of the held tokens (ascending), or
     None when the layer never evicts (then token i is at position ``offset + i``; the cache tracks ``offset``).
     dtype: the model's dtype, in which K/V come in and :meth:`dequantize` gives them back. Raw K/V are stored in
@@ -134,6 +137,7 @@ class PackedKV:
         if config.evicts and positions is None:
             raise MoendError(f"layer config {config.name} evicts tokens, so positions [B, H, n] are required")
         p, _ = split_packed(k.shape[2], config, group_size)
+        pv = k.shape[2] if config.v_bits < 16 else p
         pos = None
         if positions is not None:  # also a keep-1.0 layer that has started evicting (capacity mode)
             if positions.shape != k.shape[:3]:
@@ -147,13 +151,18 @@ class PackedKV:
         return cls(
             config, group_size,
             _encode(ks[:, :, :p], config.k_bits, group_size, QuantMode.CHANNEL),
-            _encode(vs[:, :, :p], config.v_bits, group_size, QuantMode.TOKEN),
-            _fresh(ks[:, :, p:]), _fresh(vs[:, :, p:]), pos, k.dtype,
+            _encode(vs[:, :, :pv], config.v_bits, group_size, QuantMode.TOKEN),
+            _fresh(ks[:, :, p:]), _fresh(vs[:, :, pv:]), pos, k.dtype,
         )
 
     @property
     def num_packed(self) -> int:
         return self.k_packed.shape[2] if isinstance(self.k_packed, torch.Tensor) else self.k_packed.num_tokens
+
+    @property
+    def v_on_arrival(self) -> bool:
+        """Whether V is packed as each token arrives (a quantized V: v_res holds no token)."""
+        return self.config.v_bits < 16
 
     @property
     def num_tokens(self) -> int:
@@ -183,7 +192,10 @@ class PackedKV:
         same either way; only when the last group is quantized differs.
         """
         k_res = torch.cat([self.k_res, k.to(self.raw_dtype)], dim=2)
-        v_res = torch.cat([self.v_res, v.to(self.raw_dtype)], dim=2)
+        this, v_res = self, torch.cat([self.v_res, v.to(self.raw_dtype)], dim=2)
+        if self.v_on_arrival:  # per-token groups: packing one token at a time packs what one call packs
+            new_v = _encode(v.to(self.raw_dtype), self.config.v_bits, self.group_size, QuantMode.TOKEN)
+            this, v_res = replace(self, v_packed=_concat(self.v_packed, new_v)), self.v_res
         pos = self.positions
         if pos is not None:
             if positions is None:
@@ -194,7 +206,7 @@ class PackedKV:
             pos = torch.cat([pos.to(wide), new.to(wide)], dim=2)
         r = k_res.shape[2]
         groups = (r - 1) // self.group_size if keep_full else r // self.group_size
-        return self._flushed(k_res, v_res, pos, groups * self.group_size if self.config.quantized else 0)
+        return this._flushed(k_res, v_res, pos, groups * self.group_size if self.config.quantized else 0)
 
     def flush(self) -> PackedKV:
         """Quantize every full group of the residual window into packed codes (self when there is none)."""
@@ -204,16 +216,19 @@ class PackedKV:
         return self._flushed(self.k_res, self.v_res, self.positions, (r // self.group_size) * self.group_size)
 
     def _flushed(self, k_res: torch.Tensor, v_res: torch.Tensor, pos: torch.Tensor | None, flush: int) -> PackedKV:
-        """This layer with residual k_res, v_res: [B, H, R, D] whose first ``flush`` tokens (a multiple of G) are
-        moved into packed codes."""
+        """This layer with residual k_res: [B, H, R, D] (v_res likewise, or empty when V is packed on arrival)
+        whose first ``flush`` tokens (a multiple of G) are moved into packed codes."""
         if flush == 0:
             return replace(self, k_res=_fresh(k_res), v_res=_fresh(v_res), positions=pos)
         # Existing packed groups are kept bit for bit; only the new full groups are quantized.
         kp = _encode(k_res[:, :, :flush], self.config.k_bits, self.group_size, QuantMode.CHANNEL)
-        vp = _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, QuantMode.TOKEN)
+        vp, v_flush = self.v_packed, 0
+        if not self.v_on_arrival:
+            vp = _concat(vp, _encode(v_res[:, :, :flush], self.config.v_bits, self.group_size, QuantMode.TOKEN))
+            v_flush = flush
         return replace(
-            self, k_packed=_concat(self.k_packed, kp), v_packed=_concat(self.v_packed, vp),
-            k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, flush:]), positions=pos,
+            self, k_packed=_concat(self.k_packed, kp), v_packed=vp,
+            k_res=_fresh(k_res[:, :, flush:]), v_res=_fresh(v_res[:, :, v_flush:]), positions=pos,
         )
 
     @property
@@ -228,12 +243,15 @@ class PackedKV:
         g = self.group_size
         b, h, _ = groups.shape
         tokens = (groups[..., None] * g + torch.arange(g, device=groups.device)).reshape(b, h, -1)
-        pos = self.positions
+        p, pos = self.num_packed, self.positions
         if pos is not None:
-            p = self.num_packed
             pos = torch.cat([gather_tokens(pos[:, :, :p], tokens.to(pos.device)), pos[:, :, p:]], dim=2)
+        v_tokens = tokens
+        if self.v_on_arrival:  # V of the residual window's tokens is packed too, and kept
+            res = torch.arange(p, self.num_tokens, device=tokens.device).expand(b, h, -1)
+            v_tokens = torch.cat([tokens, res], dim=2)
         return replace(self, k_packed=_take(self.k_packed, tokens, groups),
-                       v_packed=_take(self.v_packed, tokens, groups), positions=pos)
+                       v_packed=_take(self.v_packed, v_tokens, groups), positions=pos)
 
     def with_positions(self, positions: torch.Tensor) -> PackedKV:
         """This layer with stored positions [B, H, n] (a layer that kept every token and now starts evicting)."""
@@ -247,7 +265,7 @@ class PackedKV:
         return self.k_packed, self.v_packed
 
     def residuals(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_res, v_res): [B, H, R, D] each."""
+        """(k_res, v_res): [B, H, R, D] and [B, H, n - Pv, D] (no tokens when V is packed on arrival)."""
         return self.k_res, self.v_res
 
     def tensors(self) -> list[torch.Tensor]:

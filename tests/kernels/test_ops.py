@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from moend_fx.attention.reference import reference_attention
 from moend_fx.common.errors import MoendError
 from moend_fx.kernels import cpu, layer_tensors, packed_attention, variant_name
+from moend_fx.kernels.ops import reference_packed_attention
 from moend_fx.kernels.precision import FP32_RTOL, kernel_atol
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV
@@ -191,3 +192,29 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     layer = make_layer(4, 1, 1, 40, 16, 4, 4)
     with pytest.raises(MoendError, match="TRITON_INTERPRET"):
         packed_attention(torch.randn(1, 1, 1, 16), layer, kernel="triton")
+
+
+@pytest.mark.parametrize("kb, vb", [(4, 4), (16, 2), (2, 8)])
+def test_both_v_layouts_match_the_reference(kb, vb):
+    """The op reads V split like K (P packed tokens + an R-token raw residual) or packed on arrival (P + R packed,
+    no residual: what the cache stores for a quantized V); the C++ kernel matches the reference on both."""
+    layer = make_layer(11, 2, 2, 3 * 32 + 13, 64, kb, vb)
+    p, r = layer.num_packed, layer.k_res.shape[2]
+    assert layer.v_packed.num_tokens == p + r and layer.v_res.shape[2] == 0  # stored on arrival
+    t = list(layer_tensors(layer))
+    v_full = layer.dequantize(torch.float32)[1]
+    split = t[:3] + [x[:, :, :p] for x in t[3:6]] + [t[6], v_full[:, :, p:].half()]
+    q = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(12))
+    atol = kernel_atol(q, layer)  # the C++ kernel's tolerance (int16 rounding of q*s, fp32 reordering)
+    for args in (t, split):
+        out = torch.ops.moend.packed_attention.default(q, *args, kb, vb, 32, 0.125, True)
+        want = reference_packed_attention(q, *args, kb, vb, 32, 0.125, True)
+        torch.testing.assert_close(out, want, rtol=FP32_RTOL, atol=atol)
+    # the same V values (the split residual is the dequantized codes rounded to fp16), so the same output up to
+    # that rounding: at most 2^-11 of the largest |V| (a convex combination of values each off by that much)
+    a = reference_packed_attention(q, *t, kb, vb, 32, 0.125, True)
+    b = reference_packed_attention(q, *split, kb, vb, 32, 0.125, True)
+    torch.testing.assert_close(a, b, rtol=0, atol=float(v_full.abs().max()) * 2**-11)
+    bad = split[:-1] + [split[-1][:, :, :5]]
+    with pytest.raises(MoendError, match="v_res"):
+        torch.ops.moend.packed_attention(q, *bad, kb, vb, 32, 0.125, True)

@@ -49,7 +49,8 @@ def test_raw_storage_costs_two_bytes_whatever_the_model_dtype(dtype):
     """16-bit sides and the residual are stored in 16 bits: the model's dtype moves no byte (issue 12)."""
     c = LayerConfig(0.5, 16, 4)
     parts = layer_bytes_breakdown(c, 100, kv_heads=1, head_dim=64, dtype=dtype)
-    assert parts["k_codes"] == 32 * 64 * 2 and parts["residual"] == 2 * 18 * 64 * 2
+    # K: 32 packed (raw) + 18 residual tokens, 2 bytes an element; V (4-bit) is packed on arrival: no residual
+    assert parts["k_codes"] == 32 * 64 * 2 and parts["residual"] == 18 * 64 * 2
     assert layer_bytes(c, 100, kv_heads=1, head_dim=64, dtype=dtype) == sum(parts.values())
 
 
@@ -149,11 +150,13 @@ def test_full_cache_bases_match_design_md():
 
 def test_breakdown_parts():
     parts = layer_bytes_breakdown(LayerConfig(0.5, 4, 8), 100, kv_heads=1, head_dim=64, group_size=32)
-    # n = 50 -> P = 32 packed, R = 18 residual
+    # n = 50 -> K: P = 32 packed, R = 18 residual; V is packed on arrival (all 50 tokens)
     assert parts["k_codes"] == 32 * 64 // 2
-    assert parts["v_codes"] == 32 * 64
-    assert parts["scales"] == (1 * 64 + 32 * 2) * 2 * 2
-    assert parts["residual"] == 2 * 18 * 64 * 2  # fp16, whatever the model dtype
+    assert parts["v_codes"] == 50 * 64
+    assert parts["scales"] == (1 * 64 + 50 * 2) * 2 * 2
+    assert parts["residual"] == 18 * 64 * 2  # K only, fp16 whatever the model dtype
+    raw_v = layer_bytes_breakdown(LayerConfig(0.5, 4, 16), 100, kv_heads=1, head_dim=64, group_size=32)
+    assert raw_v["v_codes"] == 32 * 64 * 2 and raw_v["residual"] == 2 * 18 * 64 * 2  # a 16-bit V is split like K
     assert parts["positions"] == 50 * 2  # int16: 100 slots
 
 

@@ -117,7 +117,30 @@ def test_residual_strides_do_not_depend_on_its_length(r):
     assert grown.k_res.stride() == (48, 16, 96, 1)
     empty = PackedKV.from_dense(k[:, :, :5], v[:, :, :5], LayerConfig(1.0, 4, 8), 32)
     assert empty.k_packed.codes.shape == (2, 3, 0, 8) and empty.k_packed.codes.stride() == (0, 0, 8, 1)
-    assert empty.v_packed.scale.stride() == (0, 0, 1, 1)
+    # a quantized V is packed on arrival: all 5 tokens are codes, and its (empty) residual is token-major too
+    assert empty.v_packed.num_tokens == 5 and empty.v_res.shape == (2, 3, 0, 16)
+    assert empty.v_res.stride() == (48, 16, 96, 1) and grown.v_res.stride() == (48, 16, 96, 1)
+    raw_v = PackedKV.from_dense(k[:, :, :5], v[:, :, :5], LayerConfig(1.0, 4, 16), 32)
+    assert raw_v.v_packed.shape == (2, 3, 0, 16) and raw_v.v_packed.stride() == (0, 0, 16, 1)
+
+
+def test_quantized_v_is_packed_on_arrival():
+    """A quantized V holds no residual: every token's V is codes as soon as it arrives, the same codes whether the
+    tokens came in one call or one at a time, and the bytes are the memory model's at every length."""
+    k, v = rand(1, 2, 45, 16, seed=7), rand(1, 2, 45, 16, seed=8)
+    cfg = LayerConfig(1.0, 4, 2)
+    whole = PackedKV.from_dense(k, v, cfg, 16)
+    grown = PackedKV.from_dense(k[:, :, :3], v[:, :, :3], cfg, 16)
+    for t in range(3, 45):
+        grown = grown.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        assert grown.v_packed.num_tokens == t + 1 and grown.v_res.shape[2] == 0
+        assert grown.nbytes() == layer_bytes(cfg, t + 1, kv_heads=2, head_dim=16, group_size=16, dtype=k.dtype)
+    assert whole.v_packed.num_tokens == 45 and whole.k_res.shape[2] == 45 - 32
+    for a, b in zip(whole.v_packed.tensors(), grown.v_packed.tensors()):
+        assert torch.equal(a, b)
+    # the residual window's V is quantized: its error is that of 2-bit codes, not 0
+    v_err = (whole.dequantize()[1][:, :, 32:] - v[:, :, 32:]).abs().max()
+    assert v_err > 0
 
 
 def test_gather_tokens_keeps_positions_and_values():
