@@ -8,11 +8,12 @@ The pattern (what :func:`moend_fx.attention.packed.packed_layer_attention` trace
         | cat([v_raw, v_res], dim=2)[.to(dtype)]
     out = scaled_dot_product_attention(q, k, v, attn_mask=None | ones(L, S).tril(S - L), scale=s, enable_gqa=True)
 
-becomes ``out = moend.packed_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
-kb, vb, G, s, causal)`` (a quantized V is packed on arrival, so its ``v_res`` holds no token), a node named
-after its kernel variant and layer (``attn_k4_v8_hd64_g32_layer7``). The kernel reads the packed codes directly: the layer is never dequantized into a full-precision copy. Raw K/V are
-passed as stored (16-bit), before the graph widens them to q's dtype (an fp32 q: the ``cat`` promotes a 16-bit
-residual, a raw side's ``cat`` is cast, ``.to(dtype)`` above).
+becomes ``out = moend.packed_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, kb, vb,
+G, s, causal)`` (a quantized V is packed on arrival, so its ``v_res`` holds no token), a node named after its
+kernel variant and layer (``attn_k4_v8_hd64_g32_layer7``). The kernel reads the packed codes directly: the layer is
+never dequantized into a full-precision copy. Raw K/V are passed as stored (16-bit), before the graph widens them
+to q's dtype (an fp32 q: the ``cat`` promotes a 16-bit residual, a raw side's ``cat`` is cast, ``.to(dtype)``
+above).
 The dead dequantize / cat / cast / mask nodes are removed by the clean-up.
 
 Must not fire (the SDPA node is left as is, with the reason in ``node.meta["moend_not_fused"]``) when:

@@ -28,3 +28,12 @@ def qwen():
     from moend_fx.models import load_model
 
     return load_model("qwen2.5-0.5b")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the embedded SmolLM2-135M-Instruct (fp32), loaded once per session (per xdist
+    worker). A test that prepares or compiles it must undo that (``unprepare``) before it returns."""
+    from moend_fx.models import load_model
+
+    return load_model("smollm2-135m")

@@ -34,6 +34,9 @@ class SectionSpec:
 SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("decode", "Decode speed and memory", "moend bench decode",
                 "Per-token decode time and memory at long context: full cache vs MoENDCache, eager vs compiled."),
+    SectionSpec("prefill", "Long prompts: chunked vs one-shot prefill", "moend bench prefill",
+                "Time, peak RSS growth and accuracy of a long prompt's prefill, in chunks compressed as they go vs "
+                "in one pass."),
     SectionSpec("eval", "Accuracy vs memory", "moend bench eval",
                 "Long-context accuracy of each method at matched measured cache memory."),
     SectionSpec("solvers", "Solvers: speed and optimality gaps", "moend bench solvers",

@@ -1,4 +1,4 @@
-"""The benchmarks behind ``moend bench {solvers,calibrate,kernels,eval,decode}``: each runs, writes JSON +
+"""The benchmarks behind ``moend bench {solvers,calibrate,kernels,eval,decode,prefill}``: each runs, writes JSON +
 Markdown (+ PNG) into its own folder and returns ``(markdown, files)`` for its ``docs/results.md`` section.
 """
 
@@ -201,3 +201,16 @@ def bench_decode_section(model_name: str, settings: Any, *, table_path: str | No
     files = write_decode(result, out)
     return markdown_table(result), files, result
 
+
+
+# --------------------------------------------------------------------------------------------- prefill
+
+
+def bench_prefill_section(model_name: str, settings: Any, *, table_path: str | None = None,
+                          plan_path: str | None = None, out: str | os.PathLike,
+                          progress: bool = True) -> tuple[str, Files]:
+    """Run :func:`moend_fx.bench.prefill.bench_prefill` (each mode in its own process) and write its report."""
+    from moend_fx.bench.prefill import bench_prefill, markdown_table, write_prefill
+
+    result = bench_prefill(model_name, settings, table=table_path, plan=plan_path, progress=progress)
+    return markdown_table(result), write_prefill(result, out)

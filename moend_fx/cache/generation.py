@@ -7,6 +7,13 @@ no cache, asked for no ``cache_implementation`` and did not disable caching, it 
 sets the attention implementation to "moend". Calling ``prepare`` again replaces the settings;
 :func:`unprepare` restores the model.
 
+Long prompts: ``_prefill`` is shadowed too. A prompt longer than ``prefill_chunk_above`` tokens going into a
+:class:`MoENDCache` is prefilled in chunks of ``prefill_chunk`` tokens (HF's own chunked prefill, by setting
+``generation_config.prefill_chunk_size`` for that call unless the caller set it): the first chunk takes the
+staged prefill path (SDPA, evict, compress), each later one is appended to the compressed past, attends to it and
+re-evicts (``MoENDLayer.update`` / ``attend``). The prefill's transient memory is then one chunk's activations
+and full-precision K/V, not the whole prompt's (docs/cache.md, "Long prompts in bounded memory").
+
 For a compiled model (``model.compile(backend="moend")``) two more instance methods are shadowed:
 
 * ``prepare_inputs_for_generation`` first calls :meth:`MoENDCache.before_step` on the generate cache, outside
@@ -32,6 +39,7 @@ import torch
 from moend_fx.cache.hf_attention import ATTN_NAME
 from moend_fx.cache.moend_cache import MoENDCache  # (import registers "moend" attention)
 from moend_fx.calibration.tables import layer_query_stats
+from moend_fx.common.defaults import PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.routing import RoutingPlan
@@ -69,6 +77,7 @@ def _find_cache(args: tuple, kwargs: dict) -> MoENDCache | None:
 
 
 def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill: bool = False,
+            prefill_chunk: int | None = PREFILL_CHUNK, prefill_chunk_above: int = PREFILL_CHUNK_ABOVE,
             **cache_kw: Any) -> Any:
     """Check ``plan`` against ``model``, switch attention to "moend", and make ``model.generate`` build a
     :class:`MoENDCache(plan, rope=rope_from_model(model), query_stats=..., **cache_kw)` per call.
@@ -76,6 +85,11 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
     table: optional SensitivityTable whose calibrated query stats feed the trig scorer.
     compile_prefill: run the prefill through a compiled forward too (default False: eager prefill, compiled
     decode steps; see the module docstring).
+    prefill_chunk: a prompt longer than ``prefill_chunk_above`` tokens is prefilled in chunks of this many tokens,
+    each compressed before the next is fed, so the prefill's peak memory is the weights, the compressed cache and
+    one chunk's activations and full-precision K/V (default 2048 above 4096 tokens; docs/cache.md says why and
+    what it costs). None or 0: one pass whatever the length. A ``prefill_chunk_size`` the caller gives
+    ``generate`` (or sets in the model's generation config) wins; only MoENDCache prefills are chunked.
     cache_kw: MoENDCache options (scorer, evict_every, budget_mode, window, attention_fn, ...).
     Returns the model.
     """
@@ -83,6 +97,7 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
         raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
     if not isinstance(compile_prefill, bool):
         raise MoendError(f"compile_prefill={compile_prefill!r} is invalid; allowed: True or False")
+    chunk, above = check_prefill_chunk(prefill_chunk, prefill_chunk_above)
     if not hasattr(model, "_prepare_cache_for_generation") or not hasattr(model, "_prefill"):
         raise MoendError(f"model {type(model).__name__} is not a Hugging Face generation model")
     plan.check_model(model)
@@ -90,9 +105,44 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
     MoENDCache(plan, **kw)  # fail now, not inside generate, on bad options
     state = getattr(model, _STATE, None) or _install(model)
     state["plan"], state["cache_kw"], state["compile_prefill"] = plan, kw, compile_prefill
+    state["prefill_chunk"], state["prefill_chunk_above"] = chunk, above
     model.moend_plan = plan
     model.set_attn_implementation(ATTN_NAME)
     return model
+
+
+def check_prefill_chunk(chunk: Any, above: Any) -> tuple[int, int]:
+    """``(chunk, above)`` as ints (chunk 0 = never chunk), or a MoendError naming the bad value.
+
+    A chunk of one token would be fed as decode steps (the cache re-evicts per chunk only for chunks of two or
+    more tokens), so the smallest chunk is 2."""
+    is_int = isinstance(chunk, int) and not isinstance(chunk, bool)
+    if chunk is None or (is_int and chunk == 0):
+        chunk = 0
+    elif not is_int or chunk < 2:
+        raise MoendError(f"prefill_chunk={chunk!r} is invalid; allowed: None or 0 (prefill in one pass) or an "
+                         "int >= 2 (tokens per prefill chunk)")
+    if isinstance(above, bool) or not isinstance(above, int) or above < 0:
+        raise MoendError(f"prefill_chunk_above={above!r} is invalid; allowed: an int >= 0 (prompts longer than "
+                         "this many tokens are prefilled in chunks)")
+    return chunk, above
+
+
+def _auto_chunk(state: dict[str, Any], input_ids: torch.Tensor, generation_config: Any,
+                model_kwargs: dict[str, Any]) -> int | None:
+    """The chunk size ``_prefill`` should set for this call, or None to leave HF's setting alone.
+
+    input_ids: [B, T] (the whole sequence, or only the new tokens when a filled cache is resumed). Not chunked:
+    a caller's own ``prefill_chunk_size``, a cache that is not a MoENDCache (chunking would not bound its memory),
+    and ``inputs_embeds`` prompts (HF's chunked prefill splits ``input_ids`` only)."""
+    chunk, cache = state.get("prefill_chunk", 0), model_kwargs.get("cache")
+    if (not chunk or generation_config.prefill_chunk_size is not None or not isinstance(cache, MoENDCache)
+            or model_kwargs.get("inputs_embeds") is not None):
+        return None
+    total, past = input_ids.shape[-1], cache.get_seq_length()
+    mask = model_kwargs.get("attention_mask")
+    new = total - past if past and mask is not None and mask.shape[-1] == total else total
+    return chunk if new > state.get("prefill_chunk_above", 0) else None
 
 
 def _cache_options(model: Any, plan: RoutingPlan, table: Any, cache_kw: dict[str, Any]) -> dict[str, Any]:
@@ -132,12 +182,20 @@ def _install(model: Any) -> dict[str, Any]:
             cache.before_step()
         return getattr(self, _STATE)["prepare_inputs"](*args, **kwargs)
 
-    def _prefill(self: Any, *args: Any, **kwargs: Any):
+    def _prefill(self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict, *args: Any,
+                 **kwargs: Any):
         st = getattr(self, _STATE)
-        if st["compile_prefill"]:
-            return st["prefill"](*args, **kwargs)
-        with torch.compiler.set_stance("force_eager"):
-            return st["prefill"](*args, **kwargs)
+        chunk = _auto_chunk(st, input_ids, generation_config, model_kwargs)
+        with contextlib.ExitStack() as stack:
+            if not st["compile_prefill"]:
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            if chunk is None:
+                return st["prefill"](input_ids, generation_config, model_kwargs, *args, **kwargs)
+            generation_config.prefill_chunk_size = chunk  # this call's copy of the config
+            try:
+                return st["prefill"](input_ids, generation_config, model_kwargs, *args, **kwargs)
+            finally:
+                generation_config.prefill_chunk_size = None
 
     def _generate(self: Any, *args: Any, **kwargs: Any):
         with decode_compile_settings():

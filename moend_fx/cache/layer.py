@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from moend_fx.attention.packed import packed_layer_attention
-from moend_fx.cache.masks import held_mask, logical_mask
+from moend_fx.cache.masks import held_attention, logical_mask
 from moend_fx.cache.prefill_inputs import check_prefill_tensors
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
@@ -261,10 +261,7 @@ class MoENDLayer(CacheLayerMixin):
         self._pending = None
         n_q = query.shape[2]
         lmask = logical_mask(mask, n_q, self.logical, f"layer {self.layer_idx}")
-        hmask = None
-        if lmask is not None:
-            hmask = held_mask(lmask, self.packed.positions, self.packed.num_tokens, query.shape[1])
-        out = self.attention_fn(query, self.packed, scale=scale, causal_chunk=True, mask=hmask)
+        out = held_attention(self.attention_fn, query, self.packed, lmask, scale)
         self.evictor.observe(query, self.logical, position_ids)
         if n_q > 1:
             self.packed = self.evictor.evict(self.packed, lmask, chunk=True, logical=self.logical)

@@ -1,4 +1,4 @@
-"""``moend bench {decode,solvers,calibrate,kernels,eval,all}``: benchmarks that write JSON + Markdown (+ PNG)
+"""``moend bench {decode,prefill,solvers,calibrate,kernels,eval,all}``: benchmarks that write JSON + Markdown (+ PNG)
 under ``--out`` (default ``results/bench``) and update their section of ``docs/results.md``.
 
 Each section of ``docs/results.md`` starts with the command that regenerates it, rebuilt from the parsed
@@ -20,6 +20,7 @@ from moend_fx.cli.bench_commands import (
     cmd_decode,
     cmd_eval,
     cmd_kernels,
+    cmd_prefill,
     cmd_proxy,
     cmd_solvers,
     command_line,
@@ -58,13 +59,15 @@ def _common(p: Any, func: Any, *, threads: bool = True) -> None:
 def register(subparsers: Any) -> None:
     # The defaults are the library's own (one home): the settings classes' field defaults.
     from moend_fx.bench.decode import METHODS, DecodeBenchSettings
+    from moend_fx.bench.prefill import MALLOCS, MODES, PrefillBenchSettings
     from moend_fx.eval.proxy import ProxySettings
     from moend_fx.eval.tasks.registry import SETTINGS
 
-    dec, proxy = DecodeBenchSettings(), ProxySettings()
+    dec, proxy, pre = DecodeBenchSettings(), ProxySettings(), PrefillBenchSettings()
     uniform = dec.uniform
 
-    b = subparsers.add_parser("bench", help="benchmarks: decode, eval, solvers, proxy, calibrate, kernels, all",
+    b = subparsers.add_parser("bench",
+                              help="benchmarks: decode, prefill, eval, solvers, proxy, calibrate, kernels, all",
                               description="Each benchmark writes JSON + Markdown (+ PNG) under --out and "
                                           "updates its section of docs/results.md.")
     sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -92,6 +95,25 @@ def register(subparsers: Any) -> None:
                    help="moend backend inner compiler")
     d.add_argument("--seed", type=int, default=dec.seed, help="seed of the random context tokens")
     _common(d, cmd_decode)
+
+    f = sub.add_parser("prefill", help="a long prompt's prefill: chunked vs one-shot time, peak RSS, accuracy",
+                       description="Each mode in a fresh process, on a passkey prompt of --length tokens.")
+    f.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder")
+    f.add_argument("--length", type=positive_int, default=pre.length, help="prompt tokens (default %(default)s)")
+    f.add_argument("--chunk", type=positive_int, default=pre.chunk, help="tokens per chunk (default %(default)s)")
+    f.add_argument("--modes", default=",".join(pre.modes), help=f"comma list of {', '.join(MODES)}")
+    f.add_argument("--examples", type=positive_int, default=pre.examples, help="passkey prompts (default 1)")
+    f.add_argument("--new-tokens", type=positive_int, default=pre.new_tokens, help="answer tokens (default 8)")
+    f.add_argument("--table", default=None, help="sensitivity table: the plan is greedy on it at --budget "
+                   f"(default: the cached {DEFAULT_TABLE_HINT}, else --uniform)")
+    f.add_argument("--plan", default=None, help="plan JSON (instead of --table)")
+    f.add_argument("--budget", default=pre.budget, help="budget for --table (default %(default)s of 16-bit)")
+    f.add_argument("--uniform", default=f"{pre.uniform.keep_ratio:g},{pre.uniform.k_bits},{pre.uniform.v_bits}",
+                   help="without a table or plan: KEEP,KBITS,VBITS on every layer (default %(default)s)")
+    f.add_argument("--malloc", default=pre.malloc, choices=MALLOCS,
+                   help="fixed: glibc mmap threshold fixed so RSS follows live memory (default); default: untuned")
+    f.add_argument("--seed", type=int, default=pre.seed, help="seed of the passkey prompts")
+    _common(f, cmd_prefill)
 
     s = sub.add_parser("solvers", help="solver speed and gaps to the exact optimum",
                        description="compare-solvers + timing on one table.")

@@ -20,6 +20,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "calibrate": [],
     "kernels": ["--lengths", "2048,8192,32768", "--runs", "20"],
     "decode": [],
+    "prefill": [],
     "eval": [],
     "proxy": [],
 }
@@ -28,6 +29,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "calibrate": ["--tokens", "512"],
     "kernels": ["--lengths", "2048,8192", "--runs", "5"],
     "decode": ["--lengths", "512,1024", "--steps", "4", "--warmup", "1", "--methods", "full_eager,moend_eager"],
+    "prefill": ["--length", "1024", "--chunk", "256"],
     "eval": ["--n", "2", "--lengths", "1024"],
     "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
 }
@@ -123,6 +125,22 @@ def cmd_decode(args: argparse.Namespace) -> int:
     md, files, _ = bench_decode_section(args.model, settings, table_path=table, plan_path=args.plan,
                                         out=Path(args.out) / "decode", progress=not args.no_progress)
     return _publish(args, "decode", md, files)
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from moend_fx.bench.prefill import PrefillBenchSettings
+    from moend_fx.bench.suite import bench_prefill_section
+
+    settings = PrefillBenchSettings(length=args.length, chunk=args.chunk, modes=tuple(csv_list(args.modes)),
+                                    examples=args.examples, new_tokens=args.new_tokens, budget=args.budget,
+                                    uniform=_uniform(args.uniform), seed=args.seed, threads=args.threads,
+                                    malloc=args.malloc)
+    table = args.table
+    if table is None and args.plan is None and default_table_path(args.model).is_file():
+        table = str(default_table_path(args.model))  # the greedy plan on the calibrated table, as decode does
+    md, files = bench_prefill_section(args.model, settings, table_path=table, plan_path=args.plan,
+                                      out=Path(args.out) / "prefill", progress=not args.no_progress)
+    return _publish(args, "prefill", md, files)
 
 
 def cmd_solvers(args: argparse.Namespace) -> int:

@@ -30,3 +30,11 @@ DEFAULT_MODEL = "smollm2-135m"
 
 CALIBRATION_WINDOW = 64
 """Last queries of a calibration sequence whose attention-output error S[layer, config] measures."""
+
+PREFILL_CHUNK = 2048
+"""Tokens per prefill chunk ``moend_fx.prepare`` feeds a long prompt in (docs/cache.md, "Long prompts"): one
+chunk's full-precision K/V and activations are the prefill's transient memory instead of the whole prompt's."""
+
+PREFILL_CHUNK_ABOVE = 4096
+"""Prompts longer than this many tokens are prefilled in chunks by default; shorter ones in one pass (where
+chunking would save little memory and still cost accuracy: docs/cache.md, "Long prompts")."""
