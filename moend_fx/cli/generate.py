@@ -21,7 +21,7 @@ from typing import Any
 
 from moend_fx.calibration.tables import DEFAULT_TABLE_HINT
 from moend_fx.common.checks import check_int
-from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
+from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL, PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError, PlanError
 
 
@@ -85,7 +85,7 @@ def get_plan(args: argparse.Namespace, model: Any, tokenizer: Any, context_lengt
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moend_fx.cache.generation import prepare
+    from moend_fx.cache.generation import check_prefill_chunk, prepare
     from moend_fx.models import load_model
     from moend_fx.plan.memory import format_bytes, full_cache_bytes
     from moend_fx.plan.summary import plan_summary
@@ -98,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.table is not None and not args.table.startswith("synthetic:") and not Path(args.table).is_file():
         raise MoendError(f"table file {args.table!r} does not exist; give a .safetensors table from "
                          "`moend calibrate`, or leave --table out to use the cached one")
+    chunk, above = check_prefill_chunk(args.prefill_chunk, args.prefill_chunk_above)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
@@ -108,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok(prompt, return_tensors="pt").input_ids
     n_prompt = int(ids.shape[1])
     plan, table, source = get_plan(args, model, tok, n_prompt + args.max_new_tokens)
-    prepare(model, plan, table=table)
+    prepare(model, plan, table=table, prefill_chunk=chunk, prefill_chunk_above=above)
     if args.compile:
         import moend_fx.compile.backend  # noqa: F401  (registers the backend; the entry point finds it too)
 
@@ -132,8 +133,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"cache: {format_bytes(measured)} measured for {tokens} tokens; full cache {format_bytes(full16)} at 16 bits "
           f"({full16 / measured:.1f}x smaller), {format_bytes(fullm)} in {dtype} ({fullm / measured:.1f}x)")
     mode = "compiled with backend=moend, compilation included" if args.compile else "eager"
+    prefill = f"prefill in chunks of {chunk}" if chunk and n_prompt > above else "prefill in one pass"
     print(f"time: {len(new)} new tokens after a {n_prompt}-token prompt in {wall:.2f} s "
-          f"({len(new) / wall:.1f} tokens/s; {mode})")
+          f"({len(new) / wall:.1f} tokens/s; {mode}; {prefill})")
     return 0
 
 
@@ -159,6 +161,11 @@ def register(subparsers: Any) -> None:
     text.add_argument("--file", default=None, help="read the prompt from this file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="prefill a long prompt in chunks of this many tokens, each compressed before the next "
+                        "(default %(default)s; 0 = one pass; docs/cache.md)")
+    p.add_argument("--prefill-chunk-above", type=int, default=PREFILL_CHUNK_ABOVE,
+                   help="chunk only prompts longer than this (default %(default)s tokens)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)

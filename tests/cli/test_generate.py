@@ -160,3 +160,25 @@ def test_generate_smollm2(capsys):
     assert code == 0, err
     assert "4711" in out.split("---")[0]  # retrieval survives an 8x cache on this easy prompt
     assert re.search(r"at 16 bits \(([\d.]+)x smaller\)", out)
+
+
+def test_generate_with_a_chunked_prefill(folder, table_file, capsys):
+    """--prefill-chunk reaches prepare: the 80-token prompt goes in as chunks of 32 (above 40 tokens)."""
+    code, out, err = _run(capsys, "--model", str(folder), "--budget", "3x", "--table", str(table_file),
+                          "--prompt", PROMPT, "--max-new-tokens", "8", "--prefill-chunk", "32",
+                          "--prefill-chunk-above", "40")
+    assert code == 0, err
+    _check_report(out)
+    assert "prefill in chunks of 32" in out
+
+
+def test_short_prompts_are_prefilled_in_one_pass(folder, table_file, capsys):
+    code, out, err = _run(capsys, "--model", str(folder), "--budget", "3x", "--table", str(table_file),
+                          "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "prefill in one pass" in out  # 80 tokens, below the default 4096
+
+
+def test_error_bad_prefill_chunk(folder, capsys):
+    _one_line_error(*_run(capsys, "--model", str(folder), "--prompt", PROMPT, "--prefill-chunk", "1"),
+                    "prefill_chunk=1", "int >= 2")
