@@ -56,6 +56,17 @@ def _common(p: Any, func: Any, *, threads: bool = True) -> None:
     p.set_defaults(func=func, declared_options=p.declared, in_all=False)
 
 
+def _plan_args(p: Any, budget: str, uniform: Any) -> None:
+    """--table / --plan / --budget / --uniform: where a benchmark's MoENDCache plan comes from (uniform: a
+    LayerConfig, the default of --uniform)."""
+    p.add_argument("--table", default=None, help="sensitivity table: the MoENDCache plan is solved on it (greedy at "
+                   f"--budget; default: the cached {DEFAULT_TABLE_HINT}, else --uniform)")
+    p.add_argument("--plan", default=None, help="plan JSON for the MoENDCache rows (instead of --table)")
+    p.add_argument("--budget", default=budget, help="budget for --table (default %(default)s of the 16-bit cache)")
+    p.add_argument("--uniform", default=f"{uniform.keep_ratio:g},{uniform.k_bits},{uniform.v_bits}",
+                   help="without --table/--plan: KEEP,KBITS,VBITS on every layer (default %(default)s)")
+
+
 def register(subparsers: Any) -> None:
     # The defaults are the library's own (one home): the settings classes' field defaults.
     from moend_fx.bench.decode import METHODS, DecodeBenchSettings
@@ -82,12 +93,7 @@ def register(subparsers: Any) -> None:
     d.add_argument("--warmup", type=int, default=dec.warmup,
                    help="warm-up decode steps (pay compilation; default %(default)s)")
     d.add_argument("--methods", default="all", help=f"'all' or a comma list of {', '.join(METHODS)}")
-    d.add_argument("--table", default=None, help="sensitivity table: the MoENDCache plan is solved on it (greedy; "
-                   f"default: the cached {DEFAULT_TABLE_HINT}, else --uniform)")
-    d.add_argument("--plan", default=None, help="plan JSON for the MoENDCache rows (instead of --table)")
-    d.add_argument("--budget", default=dec.budget, help="budget for --table (default %(default)s of the 16-bit cache)")
-    d.add_argument("--uniform", default=f"{uniform.keep_ratio:g},{uniform.k_bits},{uniform.v_bits}",
-                   help="without --table/--plan: KEEP,KBITS,VBITS on every layer (default %(default)s)")
+    _plan_args(d, dec.budget, uniform)
     d.add_argument("--bandwidth", type=float, default=dec.bandwidth_gbs,
                    help="memory bandwidth in GB/s for the roofline (default %(default)s)")
     d.add_argument("--kernel", default=str(dec.kernel), choices=names(Kernel), help="moend backend kernel")
@@ -104,12 +110,7 @@ def register(subparsers: Any) -> None:
     f.add_argument("--modes", default=",".join(pre.modes), help=f"comma list of {', '.join(MODES)}")
     f.add_argument("--examples", type=positive_int, default=pre.examples, help="passkey prompts (default 1)")
     f.add_argument("--new-tokens", type=positive_int, default=pre.new_tokens, help="answer tokens (default 8)")
-    f.add_argument("--table", default=None, help="sensitivity table: the plan is greedy on it at --budget "
-                   f"(default: the cached {DEFAULT_TABLE_HINT}, else --uniform)")
-    f.add_argument("--plan", default=None, help="plan JSON (instead of --table)")
-    f.add_argument("--budget", default=pre.budget, help="budget for --table (default %(default)s of 16-bit)")
-    f.add_argument("--uniform", default=f"{pre.uniform.keep_ratio:g},{pre.uniform.k_bits},{pre.uniform.v_bits}",
-                   help="without a table or plan: KEEP,KBITS,VBITS on every layer (default %(default)s)")
+    _plan_args(f, pre.budget, pre.uniform)
     f.add_argument("--malloc", default=pre.malloc, choices=MALLOCS,
                    help="fixed: glibc mmap threshold fixed so RSS follows live memory (default); default: untuned")
     f.add_argument("--seed", type=int, default=pre.seed, help="seed of the passkey prompts")
