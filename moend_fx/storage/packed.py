@@ -192,10 +192,11 @@ class PackedKV:
         same either way; only when the last group is quantized differs.
         """
         k_res = torch.cat([self.k_res, k.to(self.raw_dtype)], dim=2)
-        this, v_res = self, torch.cat([self.v_res, v.to(self.raw_dtype)], dim=2)
         if self.v_on_arrival:  # per-token groups: packing one token at a time packs what one call packs
             new_v = _encode(v.to(self.raw_dtype), self.config.v_bits, self.group_size, QuantMode.TOKEN)
             this, v_res = replace(self, v_packed=_concat(self.v_packed, new_v)), self.v_res
+        else:
+            this, v_res = self, torch.cat([self.v_res, v.to(self.raw_dtype)], dim=2)
         pos = self.positions
         if pos is not None:
             if positions is None:
