@@ -19,6 +19,11 @@ META_SKIP = "moend_not_fused"  # str: why the fusion pass left this attention no
 
 aten = torch.ops.aten
 
+
+class NoFuse(Exception):
+    """Why one attention node is left alone (not an error: the graph stays correct)."""
+
+
 SDPA_TARGETS: frozenset[Any] = frozenset({
     torch._C._nn.scaled_dot_product_attention,  # what dynamo records for F.scaled_dot_product_attention
     aten.scaled_dot_product_attention.default,

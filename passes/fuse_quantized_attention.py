@@ -6,10 +6,12 @@ The pattern (what :func:`moend_fx.attention.packed.packed_layer_attention` trace
         | cat([k_raw, k_res], dim=2)[.to(dtype)]
     v = cat([moend.dequantize(v_codes, v_scale, v_zero, vb, G, 1, D, dtype), v_res], dim=2)
         | cat([v_raw, v_res], dim=2)[.to(dtype)]
-    out = scaled_dot_product_attention(q, k, v, attn_mask=None | ones(L, S).tril(S - L), scale=s, enable_gqa=True)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=None | causal | pad & causal | pad, scale=s,
+                                       enable_gqa=True)   # causal = ones(L, S).tril(S - L); pad: bool [B, 1|H, L, S]
 
 becomes ``out = moend.packed_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, kb, vb,
-G, s, causal)`` (a quantized V is packed on arrival, so its ``v_res`` holds no token), a node named after its
+G, s, causal, mask)`` (``causal`` for the bottom-right part, ``mask`` the padding mask or None: see
+:mod:`.match_mask`; a quantized V is packed on arrival, so its ``v_res`` holds no token), a node named after its
 kernel variant and layer (``attn_k4_v8_hd64_g32_layer7``). The kernel reads the packed codes directly: the layer is
 never dequantized into a full-precision copy. Raw K/V are passed as stored (16-bit), before the graph widens them
 to q's dtype (an fp32 q: the ``cat`` promotes a 16-bit residual, a raw side's ``cat`` is cast, ``.to(dtype)``
@@ -23,8 +25,9 @@ Must not fire (the SDPA node is left as is, with the reason in ``node.meta["moen
 * K or V is not exactly ``cat([packed, residual], dim=2)``, or the packed part is neither a
   ``moend.dequantize`` nor a raw graph tensor, or a raw tensor does not hold exactly q's values (a cast other
   than 16-bit storage widened to fp32), or a raw side and its residual window are stored in different types;
-* ``attn_mask`` is anything but None or the bottom-right causal mask ``ones(L, S).tril(S - L)`` (e.g. a padding
-  mask: the kernel takes no mask), or ``is_causal=True`` (top-left aligned), or ``dropout_p != 0``;
+* ``attn_mask`` is anything but None, the bottom-right causal mask ``ones(L, S).tril(S - L)``, a bool
+  ``[B, 1 or H, L, S]`` mask (padding) or the AND of the two (e.g. a float additive mask, or a mask that only
+  broadcasts to that shape), or ``is_causal=True`` (top-left aligned), or ``dropout_p != 0``;
 * shapes provably do not fit the kernel's layout (batch, KV heads, head_dim, packed length, group sizes,
   K grouped per channel and V per token, dtype of the dequantized values == q's dtype, H a multiple of Hkv);
 * ``settings.fuse`` is False.
@@ -100,7 +103,7 @@ def _insert_fused(gm: fx.GraphModule, node: fx.Node, m: PackedAttentionMatch,
     g = gm.graph
     with g.inserting_before(node):
         side_args = _side_args(g, m.k, device) + _side_args(g, m.v, device)
-        args = (m.q, *side_args, m.k.res, m.v.res, m.k.bits, m.v.bits, m.group_size, m.scale, m.causal)
+        args = (m.q, *side_args, m.k.res, m.v.res, m.k.bits, m.v.bits, m.group_size, m.scale, m.causal, m.mask)
         fused = g.create_node("call_function", packed_attention_target(settings), args,
                               name=f"{variant}_layer{layer}")
     fused.meta.update({key: node.meta[key] for key in _KEPT_META if key in node.meta})
@@ -109,7 +112,8 @@ def _insert_fused(gm: fx.GraphModule, node: fx.Node, m: PackedAttentionMatch,
     fused.meta[META_VARIANT] = variant
     node.replace_all_uses_with(fused)
     g.erase_node(node)
-    log.info("moend: layer %d attention fused into %s (%s, causal=%s)", layer, fused.name, kernel, m.causal)
+    log.info("moend: layer %d attention fused into %s (%s, causal=%s, mask=%s)", layer, fused.name, kernel, m.causal,
+             m.mask is not None)
     return fused
 
 

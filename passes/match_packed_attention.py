@@ -2,7 +2,8 @@
 
 :func:`match_packed_attention` reads ``dequantize -> cat with residual -> SDPA`` (see the pass's module doc) into a
 :class:`PackedAttentionMatch`, or raises :class:`NoFuse` saying why this node is not that pattern. Sizes whose
-relation cannot be proven from the example values are accepted: the op checks its inputs at run time.
+relation cannot be proven from the example values are accepted: the op checks its inputs at run time. The
+``attn_mask`` is read into the op's ``mask`` and ``causal`` by :mod:`.match_mask`.
 
 Raw K/V (a 16-bit side, the residual window) are stored in 16 bits (fp16 for an fp32 model), so the graph widens
 them to q's dtype: a quantized side's ``cat`` promotes the residual, a raw side's ``cat`` is cast as a whole. The
@@ -27,6 +28,7 @@ from .common import (
     CAST_METHODS,
     CAST_TARGETS,
     CAT_TARGETS,
+    NoFuse,
     dtype_of,
     is_call,
     is_dequantize,
@@ -36,6 +38,9 @@ from .common import (
     surely_differ,
     value,
 )
+from .match_mask import mask_and_causal
+
+__all__ = ["NoFuse", "PackedAttentionMatch", "Side", "match_packed_attention", "read_side"]
 
 # SDPA forms with F.scaled_dot_product_attention's signature (the aten backend variants order arguments
 # differently).
@@ -45,10 +50,6 @@ _FUSABLE_SDPA = frozenset({
 _DEQ_ARGS = ("codes", "scale", "zero", "bits", "group_size", "mode", "head_dim", "dtype")
 # (stored, computed) dtypes of a cast that changes no value: 16-bit storage read as fp32.
 _EXACT_CASTS = frozenset({(torch.float16, torch.float32), (torch.bfloat16, torch.float32)})
-
-
-class NoFuse(Exception):
-    """Why one attention node is left alone (not an error: the graph stays correct)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class PackedAttentionMatch:
     head_dim: int
     scale: float
     causal: bool
+    mask: fx.Node | None = None  # the op's padding mask (bool [B, 1 or H, L, S]), ANDed with causal
 
 
 def _deq_args(node: fx.Node) -> dict[str, Any]:
@@ -120,22 +122,6 @@ def _before_cast(node: Any) -> Any:
     same_place = before.device == after.device and before.dim() == after.dim() and not any(
         surely_differ(x, y) for x, y in zip(before.shape, after.shape))
     return src if same_place and (before.dtype, after.dtype) in _EXACT_CASTS else node
-
-
-def _is_causal_mask(mask: Any, n_q: Any, n_k: Any) -> bool:
-    """True for ``ones(L, S, dtype=bool).tril(S - L)`` (``chunk_causal_mask``) with L, S those of the SDPA."""
-    if not isinstance(mask, fx.Node) or not (is_method(mask, {"tril"}) or is_call(mask, {torch.tril})):
-        return False
-    base = mask.args[0]
-    diag = mask.args[1] if len(mask.args) > 1 else mask.kwargs.get("diagonal", 0)
-    if not (isinstance(base, fx.Node) and is_call(base, {torch.ones})) or dtype_of(mask) != torch.bool:
-        return False
-    shape = shape_of(mask)
-    diag_val = value(diag)
-    if shape is None or len(shape) != 2 or diag_val is None:
-        return False
-    return (statically_known_true(shape[0] == n_q) and statically_known_true(shape[1] == n_k)
-            and statically_known_true(diag_val == n_k - n_q))
 
 
 def read_side(kv: Any, name: str, mode: QuantMode, dtype: torch.dtype) -> Side:
@@ -228,15 +214,6 @@ def _group_size(k: Side, v: Side) -> int:
     return gs.pop()
 
 
-def _causal(mask: Any, n_q: Any, n_k: Any) -> bool:
-    """The kernel's ``causal`` for an SDPA ``attn_mask``: False for none, True for the bottom-right causal mask."""
-    if mask is None:
-        return False
-    if _is_causal_mask(mask, n_q, n_k):
-        return True
-    raise NoFuse("attn_mask is not the bottom-right causal mask (e.g. padding); the kernel takes no mask")
-
-
 def _scale(scale: Any, head_dim: int) -> float:
     """SDPA's softmax scale as a constant (its default 1 / sqrt(D) when None)."""
     if isinstance(scale, fx.Node):
@@ -266,5 +243,5 @@ def match_packed_attention(node: fx.Node) -> PackedAttentionMatch:
     if not isinstance(d, int):
         raise NoFuse("head_dim is symbolic")
     _check_shapes(q_shape, k, v, group_size)
-    causal = _causal(a["attn_mask"], q_shape[2], shape_of(a["key"])[2])
-    return PackedAttentionMatch(q, k, v, group_size, d, _scale(a["scale"], d), causal)
+    mask, causal = mask_and_causal(a["attn_mask"], q_shape, shape_of(a["key"])[2])
+    return PackedAttentionMatch(q, k, v, group_size, d, _scale(a["scale"], d), causal, mask)

@@ -132,15 +132,19 @@ def packed_attention_cpu(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
-    num_splits: int = 0,
+    mask: torch.Tensor | None = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Call the C++ kernel (must be :func:`available`). Shapes as in ``ops.packed_attention_op``.
 
+    mask: bool [B, 1 or H, L, S] (True = may attend) or None; read in place when its last dim is contiguous
+    (a broadcast or sliced mask is not copied).
     num_splits: token splits per (batch, KV head); 0 = chosen from the thread count and the length.
     Returns fp32 [B, H, L, D].
     """
+    if mask is not None and mask.shape[-1] > 1 and mask.stride(-1) != 1:
+        mask = mask.contiguous()
     return torch.ops.moend_cpu.packed_attention(
         q.float().contiguous(), k_packed.contiguous(), k_scale.contiguous(), k_zero.contiguous(),
         v_packed.contiguous(), v_scale.contiguous(), v_zero.contiguous(), k_res.contiguous(),
         v_res.to(k_res.dtype).contiguous(), int(k_bits), int(v_bits), int(group_size), float(scale),
-        bool(causal), int(num_splits))
+        bool(causal), mask, int(num_splits))

@@ -3,8 +3,11 @@
 // One pass over the held tokens per work unit = (batch row x KV head, token split, block of query rows):
 // logits of a block of tokens for every query row of the GQA group (integer dots against the K codes), online
 // softmax, V accumulation (codes widened in registers). The layer is never materialised. Token splits are
-// merged by log-sum-exp. Units run on torch's OpenMP pool (at::parallel_for; built with -fopenmp against the
-// libgomp torch loads). The inner loops and their maths are in moend_attn_loops.h.
+// merged by log-sum-exp. An optional padding mask (bool [B, 1 or H, L, S], ANDed with the causal limit) hides
+// tokens: their logits become -inf and their weights exactly 0, a block it hides from every row of a unit is
+// skipped, a block it shows to every row runs unmasked, and a row it hides everything from gives 0 (as the
+// reference). Units run on torch's OpenMP pool (at::parallel_for; built with -fopenmp against the libgomp torch
+// loads). The inner loops and their maths are in moend_attn_loops.h.
 //
 // Registered as torch.ops.<MOEND_OP_NS>.packed_attention (default moend_cpu); moend_fx/kernels/ops.py makes it
 // the CPU implementation of torch.ops.moend.packed_attention.
@@ -13,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -221,10 +225,37 @@ inline float exp_block(float* lg, int n, int nvalid, float m) {
   return sum;
 }
 
-// One online-softmax step of query row r over a block of n logits (nvalid visible): the logits become the
-// unnormalised probabilities, the running (m, l) and the row's accumulators are rescaled to the new max.
-inline void softmax_step(const Args& a, Scratch& s, int r, int n, int nvalid, float& m, float& l) {
+// Masked logits of one row -> -inf over the first nvalid of a block (mk: the row's mask at the block's first
+// token); returns nvalid, or 0 when the mask hides all of them.
+inline int mask_logits(float* lg, const uint8_t* mk, int nvalid) {
+  uint8_t any = 0;
+#pragma omp simd reduction(| : any)
+  for (int i = 0; i < nvalid; ++i) {
+    any |= mk[i];
+    lg[i] = mk[i] ? lg[i] : kNegInf;
+  }
+  return any ? nvalid : 0;
+}
+
+// exp_block, then exactly 0 for the masked entries (exp_block clamps -inf to exp(-87)); returns the sum.
+inline float exp_block_masked(float* lg, const uint8_t* mk, int n, int nvalid, float m) {
+  exp_block(lg, n, nvalid, m);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < nvalid; ++i) {
+    lg[i] *= static_cast<float>(mk[i] != 0);
+    sum += lg[i];
+  }
+  return sum;
+}
+
+// One online-softmax step of query row r over a block of n logits (nvalid visible by the causal limit; mk: the
+// row's padding mask at the block's first token, or null): the logits become the unnormalised probabilities,
+// the running (m, l) and the row's accumulators are rescaled to the new max.
+inline void softmax_step(const Args& a, Scratch& s, int r, int n, int nvalid, const uint8_t* mk, float& m,
+                         float& l) {
   float* lg = s.lg.data() + r * s.BT;
+  if (mk != nullptr) nvalid = mask_logits(lg, mk, nvalid);
   if (nvalid == 0) {
     std::fill(lg, lg + n, 0.f);  // p = 0: this row sees none of the block
     return;
@@ -236,12 +267,27 @@ inline void softmax_step(const Args& a, Scratch& s, int r, int n, int nvalid, fl
     scale_row(s.accp.data() + r * a.Dpv, a.Dpv, alpha);
     scale_row(s.zacc.data() + r * a.ng, a.ng, alpha);
   }
-  l = l * alpha + exp_block(lg, n, nvalid, mnew);
+  l = l * alpha + (mk != nullptr ? exp_block_masked(lg, mk, n, nvalid, mnew) : exp_block(lg, n, nvalid, mnew));
   m = mnew;
 }
 
-// Unit u's query rows, scaled, in natural and in K position order; returns each row's last visible key.
-void load_queries(const Args& a, int64_t b, int64_t kvh, int m0, int rows, Scratch& s, int* limit) {
+// What the padding mask does to tokens [t0, t0 + n) for the unit's rows: hides them from every row (the block is
+// skipped), shows them to every row (the block runs as unmasked), or neither.
+enum class BlockMask { kHidden, kVisible, kMixed };
+inline BlockMask block_mask(const uint8_t* const* mrows, int rows, int t0, int n) {
+  uint8_t any = 0, all = 1;
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* mk = mrows[r] + t0;
+#pragma omp simd reduction(| : any) reduction(& : all)
+    for (int i = 0; i < n; ++i) any |= mk[i], all &= mk[i];
+  }
+  return !any ? BlockMask::kHidden : all ? BlockMask::kVisible : BlockMask::kMixed;
+}
+
+// Unit u's query rows, scaled, in natural and in K position order; returns each row's last visible key and (with
+// a padding mask) where its mask row starts.
+void load_queries(const Args& a, int64_t b, int64_t kvh, int m0, int rows, Scratch& s, int* limit,
+                  const uint8_t** mrows) {
   const int D = a.D;
   for (int r = 0; r < rows; ++r) {
     const int m = m0 + r, h = static_cast<int>(kvh) * a.Gq + m / a.L, l = m % a.L;
@@ -250,6 +296,7 @@ void load_queries(const Args& a, int64_t b, int64_t kvh, int m0, int rows, Scrat
     for (int u = 0; u < a.Dpk; ++u) s.qperm[r * a.Dpk + u] = a.permk[u] >= 0 ? s.qsc[r * D + a.permk[u]] : 0.f;
     // bottom-right causal mask: query l of the newest L tokens sees keys j <= S - L + l
     limit[r] = (a.causal && a.L > 1) ? a.S - a.L + l : a.S - 1;
+    mrows[r] = a.mask != nullptr ? a.mask + b * a.msb + h * a.msh + l * a.msl : nullptr;
   }
 }
 
@@ -281,7 +328,8 @@ void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* par
   std::fill(s.accp.begin(), s.accp.end(), 0.f);
   std::fill(s.zacc.begin(), s.zacc.end(), 0.f);
   int limit[32];
-  load_queries(a, bkv / a.Hkv, bkv % a.Hkv, m0, rows, s, limit);
+  const uint8_t* mrows[32];
+  load_queries(a, bkv / a.Hkv, bkv % a.Hkv, m0, rows, s, limit, mrows);
   const int max_limit = *std::max_element(limit, limit + rows);
   for (int r = 0; r < rows; ++r) mrow[r] = kNegInf, lrow[r] = 0.f;
   const int t_begin = split * w.chunk, t_end = std::min(a.S, (split + 1) * w.chunk);
@@ -290,9 +338,15 @@ void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* par
     const int t1 = t0 < a.P ? std::min({t_end, a.P, t0 + BT}) : std::min(t_end, t0 + BT);
     const int n = t1 - t0;
     const bool packed = t0 < a.P;
+    const BlockMask bm = a.mask != nullptr ? block_mask(mrows, rows, t0, n) : BlockMask::kVisible;
+    if (bm == BlockMask::kHidden) {  // e.g. left padding: no work, p = 0
+      t0 = t1;
+      continue;
+    }
     (packed ? kfn : &k_residual<T>)(a, bkv, t0, n, rows, s, BT);
     for (int r = 0; r < rows; ++r)
-      softmax_step(a, s, r, n, std::max(0, std::min(n, limit[r] - t0 + 1)), mrow[r], lrow[r]);
+      softmax_step(a, s, r, n, std::max(0, std::min(n, limit[r] - t0 + 1)),
+                   bm == BlockMask::kMixed ? mrows[r] + t0 : nullptr, mrow[r], lrow[r]);
     // V packed on arrival (Rv = 0) reads its codes for the residual window's tokens too
     (packed || a.Rv == 0 ? vfn : &v_residual<T>)(a, bkv, t0, n, rows, s.lg.data(), BT, s);
     t0 = t1;
@@ -398,11 +452,24 @@ void fill_shapes(Args& a, const at::Tensor& q, const at::Tensor& k_packed, const
   a.qmax = static_cast<float>(std::min<int64_t>(32767, 2147483647LL / (int64_t{a.Dpk} * maxcode)));
 }
 
+// The padding mask's row pointer and strides (null when there is none): bool [B, 1 or H, L, S], tokens contiguous.
+void fill_mask(Args& a, const std::optional<at::Tensor>& mask) {
+  a.mask = nullptr, a.msb = a.msh = a.msl = 0;
+  if (!mask.has_value()) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(0) == a.B &&
+                  (m.size(1) == 1 || m.size(1) == a.H) && m.size(2) == a.L && m.size(3) == a.S,
+              "mask: bool [B, 1 or H, L, S]");
+  TORCH_CHECK(a.S <= 1 || m.stride(3) == 1, "mask: tokens (last dim) must be contiguous");
+  a.mask = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+  a.msb = m.stride(0), a.msh = m.size(1) == 1 ? 0 : m.stride(1), a.msl = m.stride(2);
+}
+
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
                             const at::Tensor& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
                             const at::Tensor& v_zero, const at::Tensor& k_res, const at::Tensor& v_res,
                             int64_t k_bits, int64_t v_bits, int64_t group_size, double scale, bool causal,
-                            int64_t num_splits) {
+                            const std::optional<at::Tensor>& mask, int64_t num_splits) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32 [B,H,L,D]");
   TORCH_CHECK(k_res.dim() == 4 && k_res.is_contiguous() && v_res.is_contiguous() && v_packed.dim() == 4,
               "k_res/v_res: contiguous");
@@ -411,6 +478,7 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k_packed, con
   fill_shapes(a, q, k_packed, k_res, v_packed, v_res, k_bits, v_bits, group_size);
   a.causal = causal;
   a.scale = static_cast<float>(scale);
+  fill_mask(a, mask);
   for (const at::Tensor* t : {&k_packed, &k_scale, &k_zero, &v_packed, &v_scale, &v_zero})
     TORCH_CHECK(t->is_contiguous(), "packed tensors must be contiguous");
   check_side_dtypes("K", "k_res", k_bits, k_packed, k_scale, k_zero, k_res, a.P);
@@ -445,6 +513,6 @@ MOEND_TORCH_LIBRARY(MOEND_OP_NS, m) {
   m.def(
       "packed_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor k_zero, Tensor v_packed, "
       "Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, int k_bits, int v_bits, int group_size, "
-      "float scale, bool causal, int num_splits) -> Tensor");
+      "float scale, bool causal, Tensor? mask, int num_splits) -> Tensor");
   m.impl("packed_attention", c10::DispatchKey::CPU, TORCH_FN(moend::packed_attention));
 }

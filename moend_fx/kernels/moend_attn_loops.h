@@ -38,6 +38,10 @@ struct Args {
   float qmax;                // int16 range of the quantized query (no int32 overflow over Dpk codes)
   bool causal;
   float scale;
+  // Padding mask, bool [B, Hm, L, S] (True = may attend; Hm = 1 or H), or null: row (b, h, l) starts at
+  // mask + b*msb + h*msh + l*msl (msh = 0 when Hm = 1), tokens contiguous.
+  const uint8_t* mask;
+  int64_t msb, msh, msl;
   const float* q;  // [B, H, L, D] fp32
   const void* kp;  // codes [B, Hkv, P, Wk] uint8, or raw [B, Hkv, P, D] T
   const at::Half* ks;

@@ -36,6 +36,7 @@ def check_inputs(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> None:
     """Raise :class:`MoendError` naming the first tensor whose shape or dtype does not fit the layout.
 
@@ -85,14 +86,29 @@ def check_inputs(
         raise MoendError(f"packed tokens P={p} must be a multiple of group_size={group_size}")
     if causal and l > 1 and l > p + r:
         raise MoendError(f"a chunk of {l} queries cannot be the newest tokens of only {p + r} held tokens")
+    _check_mask(mask, q, p + r)
+
+
+def _check_mask(mask: torch.Tensor | None, q: torch.Tensor, s: int) -> None:
+    """MoendError unless ``mask`` is None or bool [B, 1 or H, L, S] on q's device (S = P + R held tokens)."""
+    if mask is None:
+        return
+    b, h, l, _ = q.shape
+    fits = mask.dim() == 4 and mask.shape[0] == b and mask.shape[1] in (1, h) and tuple(mask.shape[2:]) == (l, s)
+    if mask.dtype != torch.bool or not fits or mask.device != q.device:
+        raise MoendError(f"mask must be bool [B, 1 or H, L, S] = [{b}, 1 or {h}, {l}, {s}] (True = may attend; "
+                         f"S = P + R held tokens) on {q.device}; got {mask.dtype} {tuple(mask.shape)} on "
+                         f"{mask.device}")
 
 
 def reference_packed_attention(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize the whole layer, then fp32 attention (``reference_attention`` semantics)."""
+    """Dequantize the whole layer, then fp32 attention (``reference_attention`` semantics: a query row the mask
+    hides every token from gives 0)."""
     d = q.shape[-1]
 
     def dense(packed: torch.Tensor, sc: torch.Tensor, ze: torch.Tensor, bits: int, mode: QuantMode) -> torch.Tensor:
@@ -102,7 +118,7 @@ def reference_packed_attention(
 
     k = torch.cat([dense(k_packed, k_scale, k_zero, k_bits, QuantMode.CHANNEL), k_res.float()], dim=2)
     v = torch.cat([dense(v_packed, v_scale, v_zero, v_bits, QuantMode.TOKEN), v_res.float()], dim=2)
-    return attention_dense(q, k, v, scale=scale, causal_chunk=causal)
+    return attention_dense(q, k, v, scale=scale, causal_chunk=causal, mask=mask)
 
 
 def cpu_kernel_supports(q: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> bool:
@@ -115,10 +131,10 @@ def cpu_kernel_supports(q: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bit
 
 
 def _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-              group_size, scale, causal, num_splits: int = 0) -> torch.Tensor:
+              group_size, scale, causal, mask=None, num_splits: int = 0) -> torch.Tensor:
     """The C++ kernel where it covers the inputs and built, else the reference (arguments as the op's)."""
     args = (q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits,
-            group_size, scale, causal)
+            group_size, scale, causal, mask)
     if cpu_kernel_supports(q, k_res, k_bits, v_bits, group_size) and cpu.available():
         return cpu.packed_attention_cpu(*args, num_splits=num_splits).to(q.dtype)
     return reference_packed_attention(*args)
@@ -134,9 +150,9 @@ def _triton_impl(*args, num_splits: int = 0) -> torch.Tensor:
 def _checked(impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``impl`` behind :func:`check_inputs`, so every implementation of the op rejects a bad layout alike."""
 
-    def kernel(*args) -> torch.Tensor:
-        check_inputs(*args)
-        return impl(*args)
+    def kernel(*args, **kwargs) -> torch.Tensor:
+        check_inputs(*args, **kwargs)
+        return impl(*args, **kwargs)
 
     return kernel
 
@@ -146,6 +162,7 @@ def packed_attention_op(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q: [B, H, L, D] over one compressed layer (P packed + R residual tokens of K).
 
@@ -155,16 +172,20 @@ def packed_attention_op(
     v_scale, v_zero: fp16 [B, Hkv, Pv, D/min(G, D)]; k_res: [B, Hkv, R, D], v_res: [B, Hkv, P + R - Pv, D] as
     stored (fp16, or bf16 for a bf16 model; any float type is read), a raw side in its residual's type.
     causal: the L queries are the newest L of the S = P + R held tokens (bottom-right mask).
+    mask: None, or bool [B, 1 or H, L, S] (True = may attend, e.g. left padding; broadcast over heads when 1),
+    ANDed with ``causal``; a query row that may attend no token gives 0.
     Returns [B, H, L, D] in q's dtype. This body is the fallback for devices without a kernel.
     """
     return _checked(reference_packed_attention)(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res,
-                                                v_res, k_bits, v_bits, group_size, scale, causal)
+                                                v_res, k_bits, v_bits, group_size, scale, causal, mask)
 
 
 @packed_attention_op.register_fake
 def _(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res, k_bits, v_bits, group_size,
-      scale, causal):
-    return torch.empty_like(q)
+      scale, causal, mask=None):
+    # contiguous like every implementation's output (empty_like would copy a transposed q's strides, and inductor
+    # checks the real output's strides against these)
+    return q.new_empty(q.shape)
 
 
 packed_attention_op.register_kernel("cpu")(_checked(_cpu_impl))
@@ -194,19 +215,20 @@ def triton_usable(device: torch.device) -> bool:
 
 def packed_attention(
     q: torch.Tensor, layer: PackedKV, *, scale: float | None = None, causal: bool = True,
-    kernel: Kernel | str = Kernel.AUTO, num_splits: int = 0,
+    mask: torch.Tensor | None = None, kernel: Kernel | str = Kernel.AUTO, num_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of q: [B, H, L, D] over every token ``layer`` holds; returns [B, H, L, D] in q's dtype.
 
     kernel: "auto" (the op: C++ on CPU, Triton on CUDA), "cpu", "triton" or "reference".
     causal: the L queries are the newest L held tokens (append the chunk to the layer first).
+    mask: None or bool [B, 1 or H, L, n] over the n held tokens (True = may attend), ANDed with ``causal``.
     num_splits: token splits for "cpu"/"triton" (0 = chosen from the length); for tests and benchmarks.
     """
     kernel = check_choice("kernel", kernel, Kernel, error=MoendError)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cfg = layer.config
-    args = (q, *layer_tensors(layer), cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal)
+    args = (q, *layer_tensors(layer), cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal, mask)
     if kernel == Kernel.AUTO:
         return torch.ops.moend.packed_attention(*args)
     check_inputs(*args)

@@ -77,10 +77,15 @@ def _load_side(packed, scale, zero, res, bkv, offs_n, offs_d, n_mask, P, R, IN_R
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit):
-    """One online-softmax step over a block: q [BM, D] (pre-scaled), k/v [BN, D], token ids offs_tok [BN]."""
+def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit, mask_ptr, mrow, HAS_MASK: tl.constexpr):
+    """One online-softmax step over a block: q [BM, D] (pre-scaled), k/v [BN, D], token ids offs_tok [BN].
+
+    HAS_MASK: the padding mask's byte at mrow [BM] (each row's offset, -1 past the group) + token id hides tokens."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
     visible = n_mask[None, :] & (offs_tok[None, :] <= limit[:, None])
+    if HAS_MASK:
+        allowed = tl.load(mask_ptr + mrow[:, None] + offs_tok[None, :], mask=visible & (mrow[:, None] >= 0), other=0)
+        visible = visible & (allowed != 0)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
@@ -112,14 +117,24 @@ def _load_queries(q_ptr, b, kvh, offs_m, offs_d, H, L, S, scale, GQ: tl.constexp
 
 
 @triton.jit
+def _mask_rows(b, kvh, offs_m, L, GQ: tl.constexpr, msb, msh, msl):
+    """Offset of each query row's padding-mask row [BLOCK_M] (-1 past the group's GQ * L rows): mask element
+    (b, head, query, token) is at b * msb + head * msh + query * msl + token."""
+    head = kvh * GQ + offs_m // L
+    off = b.to(tl.int64) * msb + head.to(tl.int64) * msh + (offs_m % L).to(tl.int64) * msl  # may pass 2**31
+    return tl.where(offs_m < GQ * L, off, -1)
+
+
+@triton.jit
 def _packed_decode_kernel(
-    q_ptr, kp, ks, kz, vp, vs, vz, kr, vr, part_m, part_l, part_acc,
-    H, L, P, R, S, PV, tokens_per_split, num_splits, scale,
+    q_ptr, kp, ks, kz, vp, vs, vz, kr, vr, mask_ptr, part_m, part_l, part_acc,
+    H, L, P, R, S, PV, tokens_per_split, num_splits, scale, msb, msh, msl,
     GQ: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, GROUP_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, V_RES: tl.constexpr,
+    CAUSAL: tl.constexpr, V_RES: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     # PV: V's packed tokens, P (V split like K, V_RES) or S (V packed on arrival: no V residual)
+    # mask_ptr: uint8 padding mask (element strides msb, msh, msl, 1; read only when HAS_MASK)
     tl.static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8")
     tl.static_assert(GROUP_V % 4 == 0, "the V group must hold whole bytes of 2-bit codes")
     tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (tl.dot)")
@@ -131,6 +146,7 @@ def _packed_decode_kernel(
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q, limit = _load_queries(q_ptr, bkv // hkv, bkv % hkv, offs_m, offs_d, H, L, S, scale, GQ, HEAD_DIM, CAUSAL)
+    mrow = _mask_rows(bkv // hkv, bkv % hkv, offs_m, L, GQ, msb, msh, msl)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -143,7 +159,7 @@ def _packed_decode_kernel(
         n_mask = offs_n < end
         k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP, True)
         v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM, GROUP_V, False)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit, mask_ptr, mrow, HAS_MASK)
 
     if split == num_splits - 1:
         for t0 in range(0, R, BLOCK_N):
@@ -156,7 +172,8 @@ def _packed_decode_kernel(
             else:  # the residual window's tokens P + offs_n of a V packed on arrival
                 v = _load_side(vp, vs, vz, vr, bkv, P + offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM,
                                GROUP_V, False)
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit)
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit, mask_ptr, mrow,
+                                          HAS_MASK)
 
     # partials: [B*Hkv, splits, rows_padded] and [.., HEAD_DIM]
     n_mblk = tl.num_programs(2)
@@ -198,15 +215,27 @@ def choose_splits(tokens: int, units: int, block_n: int, device: torch.device) -
     return max(1, min(max_splits, -(-target // max(1, units))))
 
 
+def _mask_arg(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The padding mask as the kernel reads it: uint8 bytes (a view of the bool tensor; tokens made contiguous) and
+    the element strides of its batch, head (0 when broadcast over heads) and query dims; a stand-in when None."""
+    if mask is None or mask.numel() == 0:  # no token to read (an empty tensor may have no valid pointer)
+        return dummy, (0, 0, 0)
+    if mask.shape[-1] > 1 and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    msh = 0 if mask.shape[1] == 1 else mask.stride(1)
+    return mask.view(torch.uint8), (mask.stride(0), msh, mask.stride(2))
+
+
 def packed_attention_triton(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
-    num_splits: int = 0, block_n: int | None = None, block_m: int | None = None,
+    mask: torch.Tensor | None = None, num_splits: int = 0, block_n: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernel. Shapes as in ``ops.packed_attention_op``; returns [B, H, L, D] in q's dtype.
 
-    num_splits: token splits (0 = :func:`choose_splits`); block_n: tokens per step (default: G, at least 16).
+    mask: bool [B, 1 or H, L, S] or None (read in place, as bytes); num_splits: token splits (0 =
+    :func:`choose_splits`); block_n: tokens per step (default: G, at least 16).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise MoendError(f"the Triton kernel needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
@@ -237,13 +266,16 @@ def packed_attention_triton(
     def ptr(t):
         return t.contiguous() if t.numel() else dummy
 
+    mask_bytes, mstrides = _mask_arg(mask, dummy)
+
     with _interpret_env():
         _packed_decode_kernel[(b * hkv, ns, n_mblk)](
             q.contiguous(), ptr(k_packed), ptr(k_scale), ptr(k_zero), ptr(v_packed), ptr(v_scale), ptr(v_zero),
-            ptr(k_res), ptr(v_res.to(k_res.dtype)), part_m, part_l, part_acc,
-            h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns, float(scale),
+            ptr(k_res), ptr(v_res.to(k_res.dtype)), mask_bytes, part_m, part_l, part_acc,
+            h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns, float(scale), *mstrides,
             GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=gv,
             BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1), V_RES=bool(v_res.shape[2]),
+            HAS_MASK=mask is not None,
         )
     # Merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
     mx = part_m.amax(dim=1, keepdim=True)

@@ -138,8 +138,8 @@ def test_capacity_mode_compiled_equals_eager_and_keeps_graphs_bounded():
 
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_left_padded_batch_and_beam_search_match_eager(num_beams):
-    """Padding gives attention a real mask (those layers stay on SDPA, unfused); the deferred eviction keeps the
-    step's mask, and a beam reorder settles it before the rows move. Tokens equal eager."""
+    """Padding gives attention a real mask, which the fused op takes (the quantized layers stay fused); the deferred
+    eviction keeps the step's mask, and a beam reorder settles it before the rows move. Tokens equal eager."""
     model = _model()
     plan = _plan(model, (LayerConfig(0.5, 4, 8), LayerConfig(1.0, 16, 16), LayerConfig(0.25, 8, 4)))
     g = torch.Generator().manual_seed(3)
@@ -153,12 +153,27 @@ def test_left_padded_batch_and_beam_search_match_eager(num_beams):
     want = model.generate(ids, **gen)
     torch._dynamo.reset()
     counters.clear()
+    backend = Recording()
     try:
-        model.compile(backend="moend", options={"inner": "aot_eager", "plan": plan}, fullgraph=True)
+        model.compile(backend=backend, options={"inner": "aot_eager", "plan": plan}, fullgraph=True)
         got = model.generate(ids, **gen)
     finally:
         torch._dynamo.reset()
         uncompile(model)
         unprepare(model)
+    # Greedy / beam tokens agree exactly here (the fused kernel differs from SDPA by the int16 K rounding and fp32
+    # summation order only, far below this tiny model's logit margins).
     assert torch.equal(got, want)
     assert sum(counters["graph_break"].values()) == 0
+    assert graphs_fused_with_mask(backend.graphs) == [0, 2]
+
+
+def graphs_fused_with_mask(graphs):
+    """The layers whose attention is a fused op reading a padding mask, in every graph (sorted, each once)."""
+    layers = set()
+    for gm in graphs:
+        for n in _packed_nodes(gm):
+            assert n.args[-1] is not None, f"{n.name} fused without the batch's padding mask"
+            layers.add(n.meta["moend_layer"])
+        assert [n.meta["moend_layer"] for n in gm.graph.nodes if is_sdpa(n)] == [1]  # only the 16/16 layer
+    return sorted(layers)

@@ -24,14 +24,15 @@ def _table(model, tokenizer):
 
 
 def _fused_decode(q, packed, *, scale=None, causal_chunk=True, mask=None):
-    """The attention the ``moend`` backend fuses a decode step into (``torch.ops.moend.packed_attention``), run
-    eagerly; prefill chunks and masked steps keep the SDPA form, as the compiled model does."""
+    """The attention the ``moend`` backend fuses a decode step into (``torch.ops.moend.packed_attention``, padding
+    mask included), run eagerly; prefill chunks keep the SDPA form, as the compiled model does (it prefills
+    eagerly)."""
     from moend_fx.attention.packed import packed_layer_attention
     from moend_fx.kernels import packed_attention
 
-    if mask is not None or q.shape[2] > 1:
+    if q.shape[2] > 1:
         return packed_layer_attention(q, packed, scale=scale, causal_chunk=causal_chunk, mask=mask)
-    return packed_attention(q, packed, scale=scale, causal=causal_chunk)
+    return packed_attention(q, packed, scale=scale, causal=causal_chunk, mask=mask)
 
 
 @pytest.mark.slow

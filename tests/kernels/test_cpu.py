@@ -10,6 +10,7 @@ import torch
 from moend_fx.attention.reference import reference_attention
 from moend_fx.kernels import cpu, layer_tensors, packed_attention
 from moend_fx.kernels.precision import FP32_ATOL, FP32_RTOL, kernel_atol
+from tests.kernels.masks import padding_mask
 from tests.kernels.test_moend_attn import make_case
 
 PORTABLE_NS = "moend_cpu_portable"
@@ -43,9 +44,25 @@ def portable():
 def test_portable_loops_match_reference_and_avx2(portable, kb, vb):
     for seed, (d, gq, n, l) in enumerate([(64, 3, 3 * 32 + 7, 1), (128, 7, 2 * 32, 2), (64, 1, 19, 1)]):
         q, layer = make_case(seed, 1, 2, gq, l, n, d, kb, vb)
-        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, 0)
+        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, None, 0)
         out = portable(*args)
         # int16 query rounding + fp32 reordering (moend_fx/kernels/precision.py)
         torch.testing.assert_close(out, reference_attention(q, layer), atol=kernel_atol(q, layer), rtol=FP32_RTOL)
         # Both builds round q*s to the same int16 and sum the codes exactly: only float reordering differs.
         torch.testing.assert_close(out, packed_attention(q, layer, kernel="cpu"), atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("kb, vb", [(4, 8), (2, 2), (16, 4), (16, 16)])
+def test_portable_loops_take_the_padding_mask(portable, kb, vb):
+    for seed, (d, gq, n, l, kind) in enumerate([(64, 3, 3 * 32 + 7, 1, "left"), (128, 7, 2 * 32, 2, "per_head"),
+                                                (64, 1, 5 * 32 + 3, 3, "random")]):
+        q, layer = make_case(seed, 2, 2, gq, l, n, d, kb, vb)
+        mask = padding_mask(seed, 2, 2 * gq, l, n, kind)
+        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, mask, 0)
+        out = portable(*args)
+        # int16 query rounding + fp32 reordering (moend_fx/kernels/precision.py)
+        ref = reference_attention(q, layer, mask=mask)
+        torch.testing.assert_close(out, ref, atol=kernel_atol(q, layer), rtol=FP32_RTOL)
+        # the same int16 sums and the same masked blocks as the AVX2 build: float reordering only
+        torch.testing.assert_close(out, packed_attention(q, layer, kernel="cpu", mask=mask), atol=FP32_ATOL,
+                                   rtol=FP32_RTOL)

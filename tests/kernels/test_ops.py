@@ -17,6 +17,7 @@ from moend_fx.kernels.ops import reference_packed_attention
 from moend_fx.kernels.precision import FP32_RTOL, kernel_atol
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV
+from tests.kernels.masks import mask_kinds, padding_mask
 
 BITS = st.sampled_from([2, 4, 8, 16])
 
@@ -77,6 +78,69 @@ def test_op_auto_and_reference_paths(c):
     torch.testing.assert_close(out, ref, atol=atol, rtol=FP32_RTOL)  # C++ kernel on CPU: as above
     out_ref, _, _ = _run(c, "reference")
     torch.testing.assert_close(out_ref, ref, atol=1e-6, rtol=1e-5)  # same maths, different concat order
+
+
+@given(cases(), mask_kinds())
+def test_every_path_takes_the_padding_mask(c, m):
+    """auto (the op), cpu and reference with a padding mask [B, 1 or H, L, S] give the reference's answer."""
+    layer = make_layer(c["seed"], c["b"], c["hkv"], c["n"], c["d"], c["kb"], c["vb"], c["g"])
+    q = torch.randn(c["b"], c["h"], c["l"], c["d"], generator=torch.Generator().manual_seed(c["seed"] + 1))
+    mask = padding_mask(m[1], c["b"], c["h"], c["l"], c["n"], m[0])
+    ref = reference_attention(q, layer, mask=mask)
+    for kernel in ("auto", "cpu"):
+        out = packed_attention(q, layer, kernel=kernel, mask=mask)
+        # the C++ kernel: int16 q*s on the K side (3-sigma bound) + fp32 reordering (moend_fx/kernels/precision.py)
+        torch.testing.assert_close(out, ref, atol=kernel_atol(q, layer), rtol=FP32_RTOL)
+    out = packed_attention(q, layer, kernel="reference", mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)  # same maths, different concat order
+
+
+def test_rows_the_mask_hides_everything_from_give_zeros():
+    """A query row that may attend no token (a padding query, or a mask hiding the whole row) gives 0, never NaN,
+    on every path; the other rows are unaffected."""
+    layer = make_layer(8, 2, 2, 3 * 32 + 9, 32, 4, 8)
+    q = torch.randn(2, 6, 3, 32)
+    mask = torch.ones(2, 6, 3, 105, dtype=torch.bool)
+    mask[0] = False  # batch row 0 sees nothing: every block is skipped
+    mask[1, 2, 0] = False  # one (head, query) row of batch row 1
+    mask[1, :, :, :40] = False  # left padding of batch row 1
+    ref = reference_attention(q, layer, mask=mask)
+    for kernel in ("auto", "cpu", "reference"):
+        out = packed_attention(q, layer, kernel=kernel, mask=mask)
+        assert not out.isnan().any()
+        assert out[0].abs().max() == 0 and out[1, 2, 0].abs().max() == 0
+        # int16 q*s on the K side + fp32 reordering (moend_fx/kernels/precision.py)
+        torch.testing.assert_close(out, ref, atol=kernel_atol(q, layer), rtol=FP32_RTOL)
+
+
+def test_a_sliced_or_broadcast_mask_is_read_in_place():
+    """The cache slices HF's logical mask to the held tokens (``mask[..., :n]``: strided rows) and a mask may be
+    broadcast over heads or batch (stride 0): the kernel reads either, and a transposed one after a copy."""
+    layer = make_layer(9, 2, 1, 70, 16, 8, 4)
+    q = torch.randn(2, 3, 2, 16)
+    logical = torch.rand(2, 1, 2, 90, generator=torch.Generator().manual_seed(3)) > 0.4
+    sliced = logical[..., :70]
+    broadcast = torch.ones(1, 1, 2, 70, dtype=torch.bool).tril(68).expand(2, 3, 2, 70)
+    transposed = logical[..., :70].transpose(-1, -2).contiguous().transpose(-1, -2)
+    for mask in (sliced, broadcast, transposed):
+        ref = reference_attention(q, layer, mask=mask.contiguous())
+        out = packed_attention(q, layer, kernel="cpu", mask=mask)
+        # int16 q*s on the 8-bit K side + fp32 reordering (moend_fx/kernels/precision.py)
+        torch.testing.assert_close(out, ref, atol=kernel_atol(q, layer), rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("mask, match", [
+    (torch.ones(1, 1, 1, 40), r"mask must be bool \[B, 1 or H, L, S\] = \[1, 1 or 4, 1, 40\] .*; got torch.float32"),
+    (torch.ones(1, 1, 1, 39, dtype=torch.bool), r"got torch.bool \(1, 1, 1, 39\)"),
+    (torch.ones(1, 2, 1, 40, dtype=torch.bool), r"1 or 4, 1, 40\] .*got torch.bool \(1, 2, 1, 40\)"),  # Hkv heads
+    (torch.ones(1, 40, dtype=torch.bool), r"got torch.bool \(1, 40\)"),
+])
+def test_bad_masks_raise_moend_error(mask, match):
+    layer = make_layer(4, 1, 2, 40, 16, 4, 4)
+    q = torch.randn(1, 4, 1, 16)
+    for kernel in ("auto", "cpu", "reference"):
+        with pytest.raises(MoendError, match=match):
+            packed_attention(q, layer, kernel=kernel, mask=mask)
 
 
 def test_long_decode_many_splits():
@@ -161,6 +225,15 @@ def test_fake_impl_and_opcheck():
     args = (q, *layer_tensors(layer), 4, 8, 32, 1 / math.sqrt(32), True)
     torch.library.opcheck(torch.ops.moend.packed_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    mask = torch.ones(1, 1, 1, 70, dtype=torch.bool)
+    mask[..., :9] = False
+    torch.library.opcheck(torch.ops.moend.packed_attention.default, (*args, mask),
+                          test_utils=("test_schema", "test_faketensor"))
+    assert "Tensor? mask=None" in str(torch.ops.moend.packed_attention.default._schema)
+    # a chunk's q as a decoder makes it (transposed from [B, L, H, D]): the kernels answer contiguous, and so must
+    # the fake (inductor asserts the real output's strides against it)
+    qt = torch.randn(1, 2, 4, 32).transpose(1, 2)
+    torch.library.opcheck(torch.ops.moend.packed_attention.default, (qt, *args[1:]), test_utils=("test_faketensor",))
 
 
 def test_variant_name():

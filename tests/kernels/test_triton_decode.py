@@ -21,6 +21,7 @@ from moend_fx.attention.reference import reference_attention
 from moend_fx.kernels import layer_tensors, packed_attention, triton_decode
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.storage.packed import PackedKV
+from tests.kernels.masks import mask_kinds, padding_mask
 
 CHILD = os.environ.get("MOEND_TRITON_CHILD") == "1"
 RUN_HERE = CHILD or torch.cuda.is_available()
@@ -68,6 +69,35 @@ def test_triton_interpret_matches_reference(c):
     # fp32 everywhere with identical dequantized values; blockwise online softmax and the split merge only
     # reorder the sums.
     torch.testing.assert_close(out, reference_attention(q, layer), atol=1e-5, rtol=1e-4)
+
+
+@in_child_only
+@settings(max_examples=12, deadline=None)
+@given(cases(), mask_kinds())
+def test_triton_interpret_with_padding_mask_matches_reference(c, m):
+    """The kernel loads the padding mask [B, 1 or H, L, S] per block (ANDed with the causal limit): hidden tokens
+    get weight 0, a row that sees nothing gives 0."""
+    q, layer = make_case(c["seed"], c["b"], c["hkv"], c["ratio"], c["n"], c["d"], c["l"], c["kb"], c["vb"])
+    mask = padding_mask(m[1], c["b"], q.shape[1], c["l"], c["n"], m[0])
+    out = packed_attention(q, layer, kernel="triton", num_splits=c["splits"], mask=mask)
+    # as above: identical dequantized values in fp32, only the summation order differs
+    torch.testing.assert_close(out, reference_attention(q, layer, mask=mask), atol=1e-5, rtol=1e-4)
+
+
+@in_child_only
+def test_triton_mask_over_splits_and_query_blocks():
+    # 24 rows in 2 query blocks, 4 token splits (the first wholly hidden for batch row 0), residual 5, a per-head
+    # mask read through a strided slice (the cache's mask[..., :n]) and one row that sees nothing.
+    q, layer = make_case(8, 2, 1, 6, 4 * 32 + 5, 16, 4, 4, 8)
+    logical = padding_mask(3, 2, 6, 4, 4 * 32 + 20, "per_head")
+    logical[0, :, :, :40] = False
+    logical[1, 3, 2] = False
+    mask = logical[..., : 4 * 32 + 5]
+    out = triton_decode.packed_attention_triton(
+        q, *layer_tensors(layer), 4, 8, 32, 0.25, True, mask, num_splits=4, block_m=16)
+    ref = reference_attention(q, layer, scale=0.25, mask=mask.contiguous())
+    assert not out.isnan().any() and out[1, 3, 2].abs().max() == 0
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)  # fp32 reordering
 
 
 @in_child_only

@@ -13,6 +13,7 @@ from moend_fx.attention.reference import reference_attention
 from moend_fx.common.errors import MoendError
 from moend_fx.compile.settings import BackendSettings
 from moend_fx.kernels.ops import reference_packed_attention
+from moend_fx.kernels.precision import FP32_RTOL, kernel_atol
 from moend_fx.storage.quant import quantize
 from tests.passes.toy_graphs import CONFIGS, HIDDEN, ToyDecoder, capture, make_cache, rand, targets
 
@@ -103,16 +104,84 @@ def test_matches_reference_attention_with_gqa_and_batch():
         torch.testing.assert_close(out, reference_attention(q, layer, scale=0.2), atol=1e-5, rtol=1e-4)
 
 
-def test_padding_mask_is_not_fused():
-    mask = torch.ones(1, 1, 2, 70, dtype=torch.bool)
-    mask[..., :5] = False
+def _left_padded(batch, tokens, n, pads, heads=1, seed=0):
+    """bool [batch, heads, tokens, n]: row b's first pads[b] slots hidden (left padding), plus a few random holes
+    per head when heads > 1 (an evicting layer's gathered mask is per head)."""
+    mask = torch.ones(batch, heads, tokens, n, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        mask[b, ..., :p] = False
+    if heads > 1:
+        mask &= torch.rand(batch, heads, 1, n, generator=torch.Generator().manual_seed(seed)) > 0.2
+    return mask
+
+
+def _fused_nodes(gm):
+    return [n for n in gm.graph.nodes if str(n.target) == PACKED]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])  # decode step (mask alone) and a chunk (mask & bottom-right causal)
+def test_padding_mask_is_fused(tokens):
+    """A left-padded batch gives SDPA a real mask: the op takes it (``mask``), the causal part stays ``causal``."""
     model = ToyDecoder(2)
-    cache = make_cache(CONFIGS["two"])
-    gm, _, out = fused_graph(model, rand(1, 2, HIDDEN), cache, mask)
-    assert PACKED not in targets(gm) and targets(gm).count(SDPA) == 2
-    reasons = skip_reasons(gm)
-    assert len(reasons) == 2 and all(r.startswith("attn_mask is not the bottom-right causal mask") for r in reasons)
-    torch.testing.assert_close(out, model(rand(1, 2, HIDDEN), cache, mask), atol=1e-6, rtol=1e-6)
+    cache = make_cache(CONFIGS["two"], batch=2)  # k8/v4, k4/v2; 70 tokens = 64 packed + 6 residual
+    x = rand(2, tokens, HIDDEN)
+    mask = _left_padded(2, tokens, 70, pads=(0, 23))
+    mask[1, :, 0] = False  # a query row that may attend nothing (a padding query): 0, like SDPA
+    gm, inputs, out = fused_graph(model, x, cache, mask)
+    t = targets(gm)
+    assert t.count(PACKED) == 2 and SDPA not in t and not skip_reasons(gm)
+    for node in _fused_nodes(gm):
+        *_, causal, op_mask = node.args
+        assert op_mask.op == "placeholder" and value(op_mask).shape == (2, 1, tokens, 70)  # the padding mask itself
+        assert causal is (tokens > 1)  # L = 1 has no causal part
+    assert not any(n.op == "call_method" and n.target == "tril" for n in gm.graph.nodes)  # the kernel's causal
+    want = model(x, cache, mask)
+    # fp32: the fused kernel's online softmax vs SDPA on the same dequantized values (summation order only).
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gm(*inputs)[0], want, atol=1e-4, rtol=1e-4)
+    unmasked = model(x, cache)
+    assert (want - unmasked).abs().max() > 1e-2  # the mask matters: the comparison above checks it is applied
+    gm, _, out = fused_graph(model, x, cache, mask, kernel="reference")  # the traced reference takes it too
+    assert sum(n.target is reference_packed_attention for n in gm.graph.nodes) == 2 and SDPA not in targets(gm)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)  # fp32, summation order
+
+
+def test_per_head_and_broadcast_masks_are_fused():
+    """A per-head mask [B, H, 1, n] (an evicting layer's, gathered at each head's kept slots) is passed as is; a
+    padding mask that broadcasts over the chunk's queries ([B, 1, 1, n] & causal) is passed as the whole AND."""
+    from moend_fx.attention.packed import packed_layer_attention
+
+    layer = make_cache(CONFIGS["two"], batch=2)[0]
+    for l, mask in ((1, _left_padded(2, 1, 70, pads=(5, 40), heads=4)), (3, _left_padded(2, 1, 70, pads=(7, 0)))):
+        q = rand(2, 4, l, 8, seed=l)
+        gm, inputs, out = fused_graph(lambda q, layer, mask: packed_layer_attention(q, layer, mask=mask),
+                                      q, layer, mask)
+        (node,) = _fused_nodes(gm)
+        *_, causal, op_mask = node.args
+        assert SDPA not in targets(gm) and value(op_mask).shape == (2, mask.shape[1], l, 70)
+        assert causal is False  # L = 1: no causal part; L = 3: the AND (causal included) is the op's mask
+        full = mask.expand(2, mask.shape[1], l, 70)
+        # the C++ kernel vs the unfused graph (SDPA) and the reference on the same dequantized values: the int16
+        # rounding of q*s on the 8-bit K side (3-sigma bound) + fp32 summation order (moend_fx/kernels/precision.py)
+        atol = kernel_atol(q, layer)
+        torch.testing.assert_close(out, packed_layer_attention(q, layer, mask=mask), atol=atol, rtol=FP32_RTOL)
+        torch.testing.assert_close(out, reference_attention(q, layer, mask=full), atol=atol, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("mask, reason", [
+    (torch.zeros(2, 1, 1, 70), "attn_mask has dtype torch.float32 (an additive mask)"),
+    (torch.ones(4, 1, 70, dtype=torch.bool), "attn_mask (4, 1, 70) is neither the bottom-right causal mask nor"),
+    (torch.ones(1, 1, 1, 70, dtype=torch.bool), "attn_mask (1, 1, 1, 70) is neither"),  # broadcast over the batch
+])
+def test_masks_the_kernel_does_not_take_are_not_fused(mask, reason):
+    from moend_fx.attention.packed import packed_layer_attention
+
+    layer = make_cache(CONFIGS["two"], batch=2)[0]
+    q = rand(2, 4, 1, 8)
+    gm, _, out = fused_graph(lambda q, layer, mask: packed_layer_attention(q, layer, mask=mask), q, layer, mask)
+    assert PACKED not in targets(gm) and SDPA in targets(gm)
+    assert skip_reasons(gm)[0].startswith(reason)
+    torch.testing.assert_close(out, packed_layer_attention(q, layer, mask=mask), atol=1e-6, rtol=1e-6)  # as is
 
 
 def _manual(q, qt_k, k_res, qt_v, v_res, k_mode=0, v_mode=1, dim=2, **sdpa_kw):
