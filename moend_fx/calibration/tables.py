@@ -18,7 +18,10 @@ from moend_fx.common.options import ScorerName
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_TABLE_HINT = f"$MOEND_CACHE/tables/<model>-{ScorerName.TRIG}-{CALIBRATION_TOKENS}.safetensors"
-"""The default table's path as help texts name it."""
+"""The default (query-agnostic) table's path as help texts name it."""
+SETTING_TABLES_HINT = (f"each setting's own, $MOEND_CACHE/tables/<model>-<scorer>-{CALIBRATION_TOKENS}.safetensors "
+                       f"with scorer {ScorerName.SNAPKV_TRIG} (query_aware) or {ScorerName.TRIG} (query_agnostic)")
+"""The per-setting default tables as help texts name them."""
 
 
 def default_table_path(model: str = DEFAULT_MODEL, tokens: int = CALIBRATION_TOKENS, *,
@@ -28,6 +31,15 @@ def default_table_path(model: str = DEFAULT_MODEL, tokens: int = CALIBRATION_TOK
     from moend_fx.models import cache_root
 
     return cache_root() / "tables" / f"{Path(model).name.lower()}-{scorer}-{tokens}.safetensors"
+
+
+def setting_table_path(model: str = DEFAULT_MODEL, setting: str = "query_agnostic",
+                       tokens: int = CALIBRATION_TOKENS) -> Path:
+    """The cached table of ``setting``: calibrated with the scorer that setting compresses with by default
+    (``moend calibrate --setting SETTING`` writes it)."""
+    from moend_fx.eviction.scorers import default_scorer
+
+    return default_table_path(model, tokens, scorer=default_scorer(setting))
 
 
 def load_table(spec: str) -> SensitivityTable:
@@ -51,12 +63,13 @@ def load_table(spec: str) -> SensitivityTable:
     return SensitivityTable.load(spec)
 
 
-def require_table(path: str | Path) -> SensitivityTable:
-    """The table at ``path``; a missing file is a :class:`TableError` that says how to make one."""
+def require_table(path: str | Path, setting: str | None = None) -> SensitivityTable:
+    """The table at ``path``; a missing file is a :class:`TableError` that says how to make one (the default
+    table of ``setting``, when given: ``moend calibrate --setting SETTING``)."""
     path = Path(path)
     if not path.is_file():
-        raise TableError(f"sensitivity table {str(path)!r} not found; run `moend calibrate` first or pass "
-                         "--table PATH")
+        how = "`moend calibrate`" if setting is None else f"`moend calibrate --setting {setting}`"
+        raise TableError(f"sensitivity table {str(path)!r} not found; run {how} first or pass --table PATH")
     return SensitivityTable.load(path)
 
 
@@ -74,3 +87,26 @@ def layer_query_stats(table: SensitivityTable) -> list[Any] | None:
     if not table.has_stats():
         return None
     return [table.layer_stats(layer) for layer in range(table.num_layers)]
+
+
+def setting_tables(model: str, settings: Any, table: str | Path | None = None,
+                   ) -> tuple[dict[str, SensitivityTable], dict[str, Path], list[str]]:
+    """(``{setting: table}``, ``{setting: path}``, warnings) for a run of ``settings``: ``table`` for every
+    setting, or each setting's cached default (:func:`setting_table_path`; settings that share a file share one
+    loaded table). A default table calibrated with other scorer options than this version's is a TableError;
+    a given one only a warning."""
+    from moend_fx.calibration.pipeline import stale_reason
+
+    paths = {s: Path(table) if table else setting_table_path(model, s) for s in settings}
+    loaded: dict[Path, SensitivityTable] = {}
+    warnings = []
+    for s, path in paths.items():
+        if path in loaded:
+            continue
+        loaded[path] = require_table(path, setting=None if table else s)
+        why = stale_reason(loaded[path])
+        if why and not table:  # the default tables are ours to keep current
+            raise TableError(f"{path}: {why}")
+        if why:
+            warnings.append(why)
+    return {s: loaded[p] for s, p in paths.items()}, paths, warnings

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path
+from moend_fx.calibration.tables import SETTING_TABLES_HINT, setting_tables
 from moend_fx.cli.args import csv_list
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
@@ -48,7 +47,8 @@ def register(subparsers: Any) -> None:
                     "decode greedily, score by string match; write results.{json,md,png}.",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder (default %(default)s)")
-    p.add_argument("--table", default=None, help=f"sensitivity table (.safetensors); default {DEFAULT_TABLE_HINT}")
+    p.add_argument("--table", default=None,
+                   help=f"sensitivity table (.safetensors) for every setting; default {SETTING_TABLES_HINT}")
     p.add_argument("--tasks", type=_csv, default=cfg.tasks, help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--lengths", type=_ints, default=cfg.lengths,
                    help=f"prompt lengths in tokens (default {','.join(map(str, cfg.lengths))})")
@@ -76,9 +76,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moend_fx.calibration.pipeline import stale_reason
-    from moend_fx.calibration.tables import require_table
-    from moend_fx.common.errors import TableError
+    from moend_fx.common.options import Setting
     from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
@@ -87,17 +85,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
                      scorer=args.scorer, calibrated_stats=not args.window_stats)
-    table_path = Path(args.table) if args.table else default_table_path(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
-    table = require_table(table_path)
-    why = stale_reason(table)
-    if why:
-        if not args.table:  # the default table is ours to keep current
-            raise TableError(f"{table_path}: {why}")
+    tables, paths, warnings = setting_tables(args.model, cfg.settings, args.table)
+    for why in warnings:
         print(f"moend eval: warning: {why}", file=sys.stderr)
     model, tokenizer = load_model(args.model)
-    runner = Runner(model, tokenizer, table, cfg, progress=not args.no_progress)
+    runner = Runner(model, tokenizer, tables, cfg, progress=not args.no_progress)
     for name, why in runner.skipped.items():
         print(f"moend eval: skipping {name}: {why}")
     result = runner.run(args.out, resume=not args.no_resume)
@@ -106,13 +100,16 @@ def run(args: argparse.Namespace) -> int:
         from moend_fx.calibration.data import token_sequences
         from moend_fx.eval.continuation import continuation_eval
 
+        # held-out text with no question to ask: compressed as the query-agnostic setting is, where it is run
+        table = tables.get(Setting.QUERY_AGNOSTIC, tables[cfg.settings[0]])
         for length in cfg.lengths:
             ids, _ = token_sequences(model, tokenizer, args.continuation, length + args.continuation_tokens,
                                      seed=args.seed, split="heldout")
             cont += continuation_eval(model, table, ids, length, methods=runner.methods, budgets=cfg.budgets,
                                       window=cfg.window, progress=not args.no_progress)
-    meta = dict(result.meta, table_path=str(table_path), model_name=args.model)
-    paths = write_report(result.records, args.out, meta=meta, plans=result.plans, continuation=cont)
-    for kind, path in paths.items():
+    meta = dict(result.meta, table_path=str(paths[cfg.settings[0]]), model_name=args.model,
+                table_paths={str(s): str(p) for s, p in paths.items()})
+    written = write_report(result.records, args.out, meta=meta, plans=result.plans, continuation=cont)
+    for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0

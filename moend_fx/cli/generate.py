@@ -5,10 +5,10 @@
     moend generate --plan plan.json --compile --file prompt.txt --max-new-tokens 32
 
 Where the plan comes from: ``--plan FILE``; or ``--budget`` solved with greedy on a sensitivity table for the
-prompt's length plus ``--max-new-tokens``. The table is ``--table``, else the cached
-``$MOEND_CACHE/tables/<model>-trig-2048.safetensors`` (what ``moend calibrate`` writes), else a quick
-calibration (``--calib-tokens``, default 1024) that is saved to ``$MOEND_CACHE/tables/<model>-trig-<N>.safetensors``
-and reused next time.
+prompt's length plus ``--max-new-tokens``. The table is ``--table``, else the cached table of ``--setting``
+(query_aware by default: ``$MOEND_CACHE/tables/<model>-snapkv_trig-2048.safetensors``, what ``moend calibrate
+--setting query_aware`` writes; query_agnostic: ``<model>-trig-2048``), else a quick calibration
+(``--calib-tokens``, default 1024) saved to ``$MOEND_CACHE/tables/<model>-<scorer>-<N>.safetensors`` and reused.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moend_fx.calibration.tables import DEFAULT_TABLE_HINT
+from moend_fx.calibration.tables import SETTING_TABLES_HINT
+from moend_fx.cli.args import names
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL, PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError, PlanError
+from moend_fx.common.options import Setting
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -39,15 +41,18 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, str]:
-    """(table, where it came from): --table, the cached 2048-token table, a cached quick one, or calibrate."""
+    """(table, where it came from): --table, the setting's cached 2048-token table, a cached quick one, or
+    calibrate (with the scorer of ``--setting``)."""
     from moend_fx.calibration.pipeline import calibrate, stale_reason
     from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.calibration.tables import default_table_path, load_table
+    from moend_fx.eviction.scorers import default_scorer
 
     if args.table is not None:
         return load_table(args.table), args.table
+    scorer = default_scorer(args.setting)
     for tokens in (CALIBRATION_TOKENS, args.calib_tokens):
-        path = default_table_path(args.model, tokens)
+        path = default_table_path(args.model, tokens, scorer=scorer)
         if path.is_file():
             table = SensitivityTable.load(path)
             why = stale_reason(table)
@@ -55,10 +60,11 @@ def find_table(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[An
                 return table, str(path)
             print(f"skipping {path}: {why}", file=sys.stderr)
 
-    path = default_table_path(args.model, args.calib_tokens)
-    print(f"no sensitivity table for {args.model}: calibrating on {args.calib_tokens} tokens "
-          f"(saved to {path}; run `moend calibrate` for the full {CALIBRATION_TOKENS}-token table)", file=sys.stderr)
-    table = calibrate(model, tokenizer, tokens=args.calib_tokens, progress=not args.quiet)
+    path = default_table_path(args.model, args.calib_tokens, scorer=scorer)
+    print(f"no {args.setting} sensitivity table for {args.model}: calibrating on {args.calib_tokens} tokens "
+          f"(saved to {path}; run `moend calibrate --setting {args.setting}` for the full {CALIBRATION_TOKENS}-token "
+          "table)", file=sys.stderr)
+    table = calibrate(model, tokenizer, tokens=args.calib_tokens, scorer=scorer, progress=not args.quiet)
     table.save(path)
     return table, f"{path} (just calibrated)"
 
@@ -151,8 +157,13 @@ def register(subparsers: Any) -> None:
     src.add_argument("--budget", default="14x",
                      help="budget solved with greedy: a ratio of the 16-bit cache ('14x') or a size ('3MB'); "
                           "default %(default)s")
+    p.add_argument("--setting", default=str(Setting.QUERY_AWARE), choices=names(Setting),
+                   help="query_aware (the prompt ends with its question: compressed by what its last queries "
+                        "attend to) or query_agnostic (compressed before any question); picks the default table "
+                        "and its scorer (default %(default)s)")
     p.add_argument("--table", default=None,
-                   help=f"sensitivity table for --budget (default: {DEFAULT_TABLE_HINT}, else a quick calibration)")
+                   help=f"sensitivity table for --budget (default: the setting's, {SETTING_TABLES_HINT}; else a "
+                        "quick calibration)")
     p.add_argument("--calib-tokens", type=int, default=1024,
                    help="tokens of the quick calibration when no table exists (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="model.compile(backend='moend') before generating")

@@ -26,7 +26,7 @@ def option_set(name: str, doc: str, *values: str, module: str = __name__) -> typ
 
 ScorerName = option_set(
     "ScorerName", "Eviction scorers a plan may name (``moend_fx.eviction.scorers`` registers one class per name).",
-    "trig", "snapkv", "keynorm", "streaming", "h2o")
+    "trig", "snapkv", "snapkv_trig", "keynorm", "streaming", "h2o")
 BudgetMode = option_set(
     "BudgetMode", "How a cache layer bounds what it holds: ``ratio`` of the tokens seen, or a fixed token "
     "``capacity``.", "ratio", "capacity")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +33,10 @@ import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.io import atomic_write_text
-from moend_fx.common.options import ScorerName, Setting
+from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
-from moend_fx.eval.methods import (
-    MethodSpec,
-    PlanBook,
-    PrefillState,
-    build_cache,
-    cache_nbytes,
-    check_methods,
-    method_runs,
-    moend_options,
-)
+from moend_fx.eval.methods import MethodSpec, PrefillState, build_cache, cache_nbytes, check_methods, method_runs
+from moend_fx.eval.setting_plans import setting_plans
 from moend_fx.eval.steps import (
     EVAL_ATTN,
     decode,
@@ -65,19 +58,13 @@ _SHARED = ("measured_bytes", "ratio16", "ratio_model", "generated", "new_tokens"
 class Runner:
     """Runs methods x budgets on examples for one model + table (see the module docstring)."""
 
-    def __init__(self, model: Any, tokenizer: Any, table: SensitivityTable, config: EvalConfig,
-                 progress: bool = True) -> None:
-        table.check_model(model)
-        self.model, self.tokenizer, self.table, self.cfg = model, tokenizer, table, config
+    def __init__(self, model: Any, tokenizer: Any, tables: SensitivityTable | Mapping[str, SensitivityTable],
+                 config: EvalConfig, progress: bool = True) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, config
         self.methods, self.skipped = check_methods(config.methods)
         self.fp = ModelFingerprint.from_model(model)
-        # plans budget the eviction state of the scorer the caches will use (an override keeps other state)
-        scorer = config.scorer or str(table.calibration.get("scorer", ScorerName.TRIG))
-        self.plans = PlanBook(table.priced_for(scorer, table.has_stats() and config.calibrated_stats))
+        self.by_setting = setting_plans(model, tables, config)
         self.progress = progress
-        scorer = {} if config.scorer is None else {"scorer": config.scorer}
-        self.moend_kw = moend_options(model, table, window=config.window, calibrated_stats=config.calibrated_stats,
-                                      evict_every=config.evict_every, **scorer)
         self.eos = getattr(tokenizer, "eos_token_id", None)
         for b in config.budgets:
             parse_budget(b, self.fp, max(config.lengths))  # fail now on a bad budget string
@@ -117,7 +104,7 @@ class Runner:
             rec = dict(base, method=spec.name, budget=budget)
             plan = None
             if spec.kind == "moend":
-                entry = self.plans.get(spec.name, budget, T)
+                entry = self.by_setting[setting].plans.get(spec.name, budget, T)
                 rec.update(budget_bytes=entry.budget_bytes, predicted_loss=entry.predicted_loss)
                 if entry.plan is None:
                     rec.update(infeasible=entry.infeasible, score=None, measured_bytes=None)
@@ -131,17 +118,17 @@ class Runner:
                     continue
             elif budget is None:
                 rec["budget_bytes"] = None
-            rec.update(self._decode(ex, spec, state, suffix, plan, base))
+            rec.update(self._decode(ex, spec, state, suffix, plan, base, self.by_setting[setting].moend_kw))
             if plan is not None:
                 done[plan.layers] = rec
             recs.append(rec)
         return recs
 
     def _decode(self, ex: Example, spec: MethodSpec, state: PrefillState, suffix: list[int],
-                plan: RoutingPlan | None, base: dict[str, Any]) -> dict[str, Any]:
+                plan: RoutingPlan | None, base: dict[str, Any], moend_kw: dict[str, Any]) -> dict[str, Any]:
         """One method's cache from ``state``, then ``suffix`` and the greedy answer: the record's figures."""
         t0 = time.perf_counter()
-        cache = build_cache(spec, state, model=self.model, plan=plan, **self.moend_kw)
+        cache = build_cache(spec, state, model=self.model, plan=plan, **moend_kw)
         measured = cache_nbytes(cache)
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -192,35 +179,45 @@ class Runner:
         return EvalResult(records, self.plan_summaries(), self.meta())
 
     def plan_summaries(self) -> dict[str, Any]:
+        """``{"method|budget|length": plan facts}``, keyed ``"setting|method|budget|length"`` when the settings
+        plan on different tables."""
         out = {}
-        for (method, budget, length), e in sorted(self.plans._plans.items()):
-            d: dict[str, Any] = {"method": method, "budget": budget, "context_length": length,
-                                 "budget_bytes": e.budget_bytes}
-            if e.plan is None:
-                d["infeasible"] = e.infeasible
-            else:
-                d.update(solver=e.plan.solver, predicted_loss=e.predicted_loss, bytes_planned=e.plan.bytes_planned,
-                         solve_s=round(e.solve_s, 4), layers=[c.name for c in e.plan.layers],
-                         mean_keep=sum(c.keep_ratio for c in e.plan.layers) / len(e.plan.layers))
-            out[f"{method}|{budget}|{length}"] = d
+        shared = len({id(p) for p in self.by_setting.values()}) == 1
+        for setting, sp in self.by_setting.items():
+            for (method, budget, length), e in sorted(sp.plans._plans.items()):
+                key = f"{method}|{budget}|{length}" if shared else f"{setting}|{method}|{budget}|{length}"
+                out[key] = self._plan_summary(method, budget, length, e)
         return out
+
+    @staticmethod
+    def _plan_summary(method: str, budget: str, length: int, e: Any) -> dict[str, Any]:
+        d: dict[str, Any] = {"method": method, "budget": budget, "context_length": length,
+                             "budget_bytes": e.budget_bytes}
+        if e.plan is None:
+            d["infeasible"] = e.infeasible
+        else:
+            d.update(solver=e.plan.solver, predicted_loss=e.predicted_loss, bytes_planned=e.plan.bytes_planned,
+                     solve_s=round(e.solve_s, 4), layers=[c.name for c in e.plan.layers],
+                     mean_keep=sum(c.keep_ratio for c in e.plan.layers) / len(e.plan.layers))
+        return d
 
     def meta(self) -> dict[str, Any]:
         import transformers
 
         return {
             "config": self.cfg.to_dict(), "skipped_methods": self.skipped,
-            "model": self.fp.to_dict(), "table": self.table.summary().get("calibration"),
-            "scorer": self.cfg.scorer or str(self.table.calibration.get("scorer", ScorerName.TRIG)),
-            "scorer_stats": ("calibrated" if self.table.has_stats() and self.cfg.calibrated_stats
-                             else "estimated from the query window"),
+            "model": self.fp.to_dict(),
+            **self.by_setting[self.cfg.settings[0]].summary(self.cfg.calibrated_stats),
+            "settings": {str(s): sp.summary(self.cfg.calibrated_stats) for s, sp in self.by_setting.items()},
             "torch": torch.__version__, "transformers": transformers.__version__,
             "machine": platform.machine(), "threads": torch.get_num_threads(),
             "ratio_base": "16-bit cache of the same tokens (ratio16); the model's own dtype (ratio_model)",
         }
 
 
-def run_eval(model: Any, tokenizer: Any, table: SensitivityTable, config: EvalConfig,
-             out_dir: str | Path | None = None, *, progress: bool = True, resume: bool = True) -> EvalResult:
-    """Run ``config`` and return every record (one per example x setting x method x budget)."""
-    return Runner(model, tokenizer, table, config, progress=progress).run(out_dir, resume=resume)
+def run_eval(model: Any, tokenizer: Any, tables: SensitivityTable | Mapping[str, SensitivityTable],
+             config: EvalConfig, out_dir: str | Path | None = None, *, progress: bool = True,
+             resume: bool = True) -> EvalResult:
+    """Run ``config`` and return every record (one per example x setting x method x budget). tables: one
+    SensitivityTable for every setting, or ``{setting: table}`` (``moend_fx.eval.setting_plans``)."""
+    return Runner(model, tokenizer, tables, config, progress=progress).run(out_dir, resume=resume)

@@ -1,10 +1,7 @@
-"""What a compressed cache layer evicts: :class:`Evictor`, the one object a
-:class:`moend_fx.cache.layer.MoENDLayer` evicts through (its policy, byte budget, scorer, query window and the rows'
-RoPE offsets). Eviction is plain eager code (loops over rows, ``.tolist()``, data-dependent sizes): it never
-runs inside a compiled decode step. After a decode step's attention inside a ``torch.compile`` graph the layer
-calls :meth:`Evictor.defer`, and the step is counted and evicted by :meth:`Evictor.finish_deferred` from
-:meth:`MoENDCache.before_step` before the next step (``docs/cache.md``); both orders give the same cache.
-"""
+"""What a compressed cache layer evicts: :class:`Evictor` (policy, byte budget, scorer, query window, RoPE offsets).
+Eviction is eager code (row loops, ``.tolist()``, data-dependent sizes), never inside a compiled decode step: there
+the layer calls :meth:`Evictor.defer` and :meth:`MoENDCache.before_step` runs :meth:`Evictor.finish_deferred` before
+the next step (``docs/cache.md``); both orders give the same cache."""
 
 from __future__ import annotations
 
@@ -58,8 +55,8 @@ class Evictor:
         self.decode_steps = 0
         self.queries_seen = 0  # queries observed while evicting (what the window's bytes follow)
         self._check_in = 0  # capacity mode: decode steps until the next fit check
-        # A decode step that ran inside a compiled graph left its count and eviction to finish_deferred:
-        # (True, the step's bool mask [B, 1, 1, S] or None), else (False, None).
+        # (True, the step's bool mask [B, 1, 1, S] or None) after a compiled decode step left its count and
+        # eviction to finish_deferred, else (False, None)
         self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
 
     @property
@@ -69,8 +66,8 @@ class Evictor:
     # ------------------------------------------------------------------ state the scorer reads
     def observe(self, q: torch.Tensor, logical: int, position_ids: torch.Tensor | None) -> None:
         """After attention of the newest queries q: [B, H, L, D] (the layer now holds ``logical`` slots): record
-        each row's RoPE offset from position_ids [B, L'] (None: unchanged, zeros at first) and, when the
-        scorer reads queries, push q to the window."""
+        each row's RoPE offset from position_ids [B, L'] (None: unchanged, zeros at first); push q to the window
+        when the scorer reads queries (a decode step's only if it re-reads them: ``Scorer.decode_queries``)."""
         if not self.evicting:
             return  # a layer that keeps every token never scores: it keeps neither offsets nor queries
         b, _, n_q, _ = q.shape
@@ -82,7 +79,7 @@ class Evictor:
             self.rope_offset = slots[-1] - pid[:, -1]
         elif self.rope_offset is None:
             self.rope_offset = torch.zeros(b, dtype=torch.long, device=q.device)
-        if self.needs_queries:
+        if self.needs_queries and (n_q > 1 or self.scorer.decode_queries):
             self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
 
     def unpadded(self, batch: int, device: torch.device, tokens: int) -> None:
@@ -97,13 +94,11 @@ class Evictor:
         if self.rope_offset is not None:
             self.rope_offset = self.rope_offset.index_select(0, index.to(self.rope_offset.device))
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Scratch tensors with a token axis at dim 2 (the query window)."""
+    def tensors(self) -> list[torch.Tensor]:  # scratch tensors with a token axis at dim 2 (the query window)
         return self.window.tensors()
 
     def nbytes(self) -> int:
-        """Bytes of every tensor this evictor keeps: the query window, the rows' RoPE offsets and what the scorer
-        holds (a cache layer's bytes include them: :func:`moend_fx.plan.memory.scorer_state_bytes` predicts them)."""
+        """Bytes of the query window, the RoPE offsets and the scorer's tensors (``scorer_state_bytes`` predicts)."""
         offsets = 0 if self.rope_offset is None else self.rope_offset.numel() * self.rope_offset.element_size()
         scorer = 0 if self.scorer is None else self.scorer.nbytes()
         return self.window.nbytes() + offsets + scorer
@@ -116,8 +111,7 @@ class Evictor:
         return self.evict(packed, lmask, chunk=False, logical=logical)
 
     def defer(self, lmask: torch.Tensor | None) -> None:
-        """A decode step inside a compiled graph: counting and evicting read Python ints and data-dependent sizes,
-        so they wait for :meth:`finish_deferred`, outside the graph (no guard on the step count)."""
+        """A compiled decode step: counting and evicting wait for :meth:`finish_deferred`, outside the graph."""
         self._deferred = (True, lmask)
 
     deferred = property(lambda self: self._deferred[0])
@@ -125,17 +119,23 @@ class Evictor:
     @torch.compiler.disable
     def finish_deferred(self, packed: PackedKV, logical: int) -> PackedKV:
         """The deferred step's :meth:`decode_step`, with its mask."""
-        _, lmask = self._deferred
-        self._deferred = (False, None)
+        lmask, self._deferred = self._deferred[1], (False, None)
         return self.decode_step(packed, lmask, logical)
 
     def evict(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, *, chunk: bool, logical: int) -> PackedKV:
         """The layer's storage after evicting when the policy (or, in capacity mode, the byte cap) says so:
         ``kv`` itself (a PackedKV) when nothing is due; a DenseKV is always compressed (evicted or not), so a
-        prompt is quantized once, from exact K/V.
+        prompt is quantized once, from exact K/V. After a prompt (or chunk) the query window is dropped when the
+        scorer reads no queries at decode time (``Scorer.decode_queries``).
 
         lmask: the step's bool mask [B, 1, L, S=logical] or None; chunk: after a prompt or a prefill chunk (else
         after decode step ``decode_steps``)."""
+        out = self._evict(kv, lmask, chunk=chunk, logical=logical)
+        if chunk and self.scorer is not None and not self.scorer.decode_queries:
+            self.window = QueryWindow(self.policy.window)
+        return out
+
+    def _evict(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, *, chunk: bool, logical: int) -> PackedKV:
         dense = isinstance(kv, DenseKV)
         capped = self.policy.capped and self._over_cap(kv, logical, chunk)
         if not self.evicting:
@@ -284,7 +284,7 @@ class Evictor:
         that reads queries but has none yet (a keep-1.0 layer that has just started evicting) scores every token
         alike, so selection keeps the sinks and the most recent tokens (StreamingLLM) until it has some."""
         q, qpos = self.window.select(row, q_keep)
-        if q is None and self.needs_queries:
+        if q is None and self.scorer.decode_queries:
             return torch.zeros(pos.shape, device=k.device)
         one = slice(None) if row is None else slice(row, row + 1)
         rope_pos = (pos - self.rope_offset[one].to(pos.device)[:, None, None]).clamp_min(0)

@@ -98,7 +98,8 @@ def evict(
     sink_tokens: int = SINK_TOKENS,
     recent_tokens: int = RECENT_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep ``keep_count(T, keep_ratio)`` tokens per KV head and gather them.
+    """Keep ``keep_count(T, keep_ratio, floor=sink_tokens + recent_tokens)`` tokens per KV head (what a cache
+    layer keeps) and gather them.
 
     keys: [B, Hkv, T, D]; values: [B, Hkv, T, Dv]; scores: [B, Hkv, T]; key_positions as in
     :func:`select_tokens`. Returns (keys [B, Hkv, n, D], values [B, Hkv, n, Dv], positions [B, Hkv, n]).
@@ -108,7 +109,7 @@ def evict(
         raise MoendError(f"scores {tuple(scores.shape)} must be [B, Hkv, T] = {tuple(keys.shape[:3])}")
     if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
         raise MoendError(f"keep_ratio={keep_ratio!r}; must be in (0, 1]")
-    n = keep_count(keys.shape[2], float(keep_ratio))
+    n = keep_count(keys.shape[2], float(keep_ratio), floor=sink_tokens + recent_tokens)
     indices, positions = select_tokens(
         scores, n, sink_tokens=sink_tokens, recent_tokens=recent_tokens, key_positions=key_positions
     )

@@ -64,7 +64,7 @@ def _stats(model) -> list[QueryStats]:
             for _ in range(fp.num_layers)]
 
 
-CASES = [(name, False) for name in sorted(SCORERS)] + [("trig", True)]
+CASES = [(name, False) for name in sorted(SCORERS)] + [("trig", True), ("snapkv_trig", True)]
 
 
 @pytest.mark.parametrize("scorer,calibrated", CASES, ids=[f"{n}{'-stats' if c else ''}" for n, c in CASES])

@@ -76,8 +76,8 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
     code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
                           "--calib-tokens", "96", "--quiet", "--budget", "3x")
     assert code == 0, err
-    assert "calibrating on 96 tokens" in err
-    saved = default_table_path(str(folder), 96)
+    assert "no query_aware sensitivity table" in err and "calibrating on 96 tokens" in err
+    saved = default_table_path(str(folder), 96, scorer="snapkv_trig")  # the default setting's scorer
     assert saved.parent == tmp_path / "cache" / "tables"
     assert saved.is_file() and "just calibrated" in out
     # second time the saved table is reused, no calibration
@@ -95,6 +95,12 @@ def test_generate_calibrates_when_no_table(folder, tmp_path, capsys, monkeypatch
                           "--calib-tokens", "96", "--quiet", "--budget", "3x")
     assert code == 0 and "skipping" in err and "scorer options" in err and "calibrating on 96 tokens" in err
     assert "just calibrated" in out
+    # the query-agnostic setting has its own table, calibrated with trig
+    code, out, err = _run(capsys, "--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8",
+                          "--calib-tokens", "96", "--quiet", "--budget", "3x", "--setting", "query_agnostic")
+    assert code == 0 and "no query_agnostic sensitivity table" in err
+    agnostic = default_table_path(str(folder), 96, scorer="trig")
+    assert agnostic.is_file() and SensitivityTable.load(agnostic).calibration["scorer"] == "trig"
 
 
 def _one_line_error(code: int, out: str, err: str, *words: str) -> None:

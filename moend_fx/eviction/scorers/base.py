@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moend_fx.common.options import Setting
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers.inputs import as_key_positions, check_keys
 
@@ -35,17 +36,26 @@ class Scorer:
     """Base: subclasses set ``name`` and implement :meth:`score`."""
 
     name: ClassVar[str] = ""
+    # the setting it is made for: query_aware scorers read the prompt's last queries (the question, when the
+    # prompt ends with it); query_agnostic ones score without knowing what will be asked
+    setting: ClassVar[str] = Setting.QUERY_AGNOSTIC
 
     @property
     def needs_queries(self) -> bool:
         """Whether :meth:`score` reads ``queries``. True unless a scorer says otherwise."""
         return True
 
+    @property
+    def decode_queries(self) -> bool:
+        """Whether it reads queries at a decode-time re-eviction too (then the layer keeps its window after the
+        prompt); :attr:`needs_queries` by default. False: the window is dropped once the prompt is compressed."""
+        return self.needs_queries
+
     @classmethod
     def reads_queries(cls, *, calibrated: bool) -> bool:
         """Whether a scorer of this class built for a layer reads queries (so the layer keeps a query window);
         ``calibrated``: the layer has calibrated query statistics. What the memory model prices a plan by; an
-        instance's :attr:`needs_queries` agrees."""
+        instance's :attr:`decode_queries` agrees (what a layer keeps once its prompt is compressed)."""
         return True
 
     @classmethod

@@ -9,7 +9,7 @@ import torch
 
 from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ScorerName
+from moend_fx.common.options import ScorerName, Setting
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.inputs import as_key_positions, as_query_positions, check_keys, check_queries
 
@@ -69,6 +69,7 @@ class H2OScorer(Scorer):
     """
 
     name: ClassVar[str] = ScorerName.H2O
+    setting: ClassVar[str] = Setting.QUERY_AWARE
     scale: float | None = None
     chunk: int = 128
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from moend_fx.common.checks import check_int
-from moend_fx.common.options import Pooling, ScorerName
+from moend_fx.common.options import Pooling, ScorerName, Setting
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.h2o import check_attention_options, column_sums
@@ -24,6 +24,7 @@ class SnapKVScorer(Scorer):
     """
 
     name: ClassVar[str] = ScorerName.SNAPKV
+    setting: ClassVar[str] = Setting.QUERY_AWARE
     window: int | None = None
     kernel_size: int = 5
     pooling: Pooling = Pooling.AVG

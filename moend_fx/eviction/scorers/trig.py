@@ -23,7 +23,7 @@ def geometric_offsets(max_offset: int) -> tuple[int, ...]:
     return tuple(2**i for i in range(int(math.log2(max_offset)) + 1))
 
 
-def _standardise(x: Tensor) -> Tensor:
+def standardise(x: Tensor) -> Tensor:
     """z-score x [B, Hkv, T] over its tokens (a constant row becomes zeros)."""
     mu = x.mean(dim=-1, keepdim=True)
     sd = x.std(dim=-1, keepdim=True, correction=0)
@@ -193,5 +193,5 @@ class TrigScorer(Scorer):
         magnitude = torch.matmul(kabs, mvec[..., None])[..., 0]
         score = (coherent + magnitude).float()  # [B, Hkv, T]
         if self.norm_weight:
-            score = _standardise(score) + self.norm_weight * _standardise(-k.norm(dim=-1))
+            score = standardise(score) + self.norm_weight * standardise(-k.norm(dim=-1))
         return pool_scores(score, self.kernel_size, self.pooling)

@@ -63,7 +63,7 @@ def test_every_scorer_keeps_sinks_recent_and_count(name, seed, b, hkv, group, t,
     assert torch.isfinite(scores).all()
 
     k2, v2, pos = evict(keys, values, scores, keep_ratio, key_positions=kp, sink_tokens=sinks, recent_tokens=recent)
-    n = keep_count(t, keep_ratio)
+    n = keep_count(t, keep_ratio, floor=sinks + recent)  # never fewer than the sinks and recent window
     assert k2.shape == (b, hkv, n, d) and v2.shape == (b, hkv, n, d + 2) and pos.shape == (b, hkv, n)
     idx, kept_pos = select_tokens(scores, n, sink_tokens=sinks, recent_tokens=recent, key_positions=kp)
     assert idx.dtype == torch.int64 and kept_pos.dtype == torch.int64
@@ -93,14 +93,15 @@ def _naive_trig(keys, q, kp, qp):
     return trig_brute(keys, kp.expand(1, HKV, T), qbar, eabs, SPEC, offsets, t_now)
 
 
-def _naive_snapkv(keys, q, kp, qp):
+def _naive_snapkv(keys, q, kp, qp, kernel=5, pooling="avg"):
     att = dense_attention_sums(q, keys, kp.expand(1, HKV, T), qp, D**-0.5)  # [1, H, T]
-    return pool_naive(att, 5, "avg").reshape(1, HKV, GROUP, T).mean(2)
+    return pool_naive(att, kernel, pooling).reshape(1, HKV, GROUP, T).mean(2)
 
 
 NAIVE = {
     "trig": _naive_trig,
     "snapkv": _naive_snapkv,
+    "snapkv_trig": lambda keys, q, kp, qp: _naive_snapkv(keys, q, kp, qp, 9, "max"),  # with the prompt's queries
     "h2o": lambda keys, q, kp, qp: dense_attention_sums(q, keys, kp.expand(1, HKV, T), qp, D**-0.5).reshape(
         1, HKV, GROUP, T).mean(2),
     "keynorm": lambda keys, q, kp, qp: -keys.norm(dim=-1),
@@ -140,7 +141,7 @@ def _with_stats() -> Scorer:
 def test_needs_queries_says_whether_score_reads_queries(scorer):
     keys, q = randn(0, 1, HKV, T, D), randn(1, 1, HKV * GROUP, W, D)
     kp = torch.arange(T)
-    expected = {"keynorm": False, "streaming": False, "snapkv": True, "h2o": True}
+    expected = {"keynorm": False, "streaming": False, "snapkv": True, "h2o": True, "snapkv_trig": True}
     assert scorer.needs_queries is (scorer.stats is None if scorer.name == "trig" else expected[scorer.name])
     if scorer.needs_queries:
         with pytest.raises(MoendError, match="queries"):

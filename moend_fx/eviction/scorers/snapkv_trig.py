@@ -1,0 +1,90 @@
+"""The query-aware scorer: SnapKV over the prompt's last queries, trig once no query is known."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from moend_fx.common.errors import MoendError
+from moend_fx.common.options import ScorerName, Setting
+from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.scorers.base import Scorer, Tensor
+from moend_fx.eviction.scorers.snapkv import SnapKVScorer
+from moend_fx.eviction.scorers.trig import TrigScorer, standardise
+
+
+@dataclass(frozen=True)
+class SnapKVTrigScorer(Scorer):
+    """SnapKV where the prompt's last queries are known, the calibrated trig score where they are not.
+
+    A prompt that ends with its question (the query-aware setting) is compressed by what those queries attend
+    to: the observation window of SnapKV, max-pooled over ``kernel_size`` stored neighbours (a fact is a span),
+    plus ``trig_weight`` times the trig score, both standardised over the tokens of each (row, KV head). Once
+    the prompt is compressed its queries are dropped: a decode-time re-eviction scores with trig on the
+    calibrated ``stats`` alone, so the layer keeps no query window while it decodes (a window of 32 queries
+    is about a third of a layer's bytes at 14x on SmolLM2; the plan budgets the steady state).
+
+    Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
+    its window and this is SnapKV over it, at every re-eviction.
+    """
+
+    name: ClassVar[str] = ScorerName.SNAPKV_TRIG
+    setting: ClassVar[str] = Setting.QUERY_AWARE
+    rope: RopeSpec | None = None
+    stats: QueryStats | None = field(default=None, compare=False, repr=False)
+    window: int | None = None
+    kernel_size: int = 9
+    trig_weight: float = 0.0
+    _snap: SnapKVScorer = field(init=False, compare=False, repr=False)
+    _trig: TrigScorer | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        w = self.trig_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+            raise MoendError(f"{self.name} trig_weight={w!r}; must be a finite number >= 0")
+        object.__setattr__(self, "_snap", SnapKVScorer(window=self.window, kernel_size=self.kernel_size,
+                                                      pooling="max"))
+        trig = None if self.stats is None else TrigScorer(rope=self.rope, stats=self.stats)
+        object.__setattr__(self, "_trig", trig)
+
+    @property
+    def decode_queries(self) -> bool:
+        """Only without calibrated statistics (then SnapKV over the window decides every re-eviction)."""
+        return self.stats is None
+
+    @classmethod
+    def reads_queries(cls, *, calibrated: bool) -> bool:
+        """After the prompt: only without calibrated statistics (the window's bytes are then budgeted)."""
+        return not calibrated
+
+    @classmethod
+    def state_bytes(cls, *, num_heads: int, head_dim: int, calibrated: bool) -> int:
+        return TrigScorer.state_bytes(num_heads=num_heads, head_dim=head_dim, calibrated=calibrated)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.stats is not None
+
+    def nbytes(self) -> int:
+        return 0 if self.stats is None else self.stats.nbytes()
+
+    @classmethod
+    def layer_options(cls, *, rope: RopeSpec | None, stats: QueryStats | None, query_window: int) -> dict[str, Any]:
+        """The model's RoPE, the layer's calibrated statistics and its query window as the observation window."""
+        return {"rope": rope, "stats": stats, "window": query_window}
+
+    def score(self, keys: Tensor, values: Tensor, *, queries: Tensor | None = None, key_positions: Tensor,
+              query_positions: Tensor | None = None) -> Tensor:
+        """keys, values: [B, Hkv, T, D]; queries: [B, H, W, D] (the prompt's last) or None (then trig on the
+        calibrated stats); key_positions: [B, Hkv, T]; query_positions: [B, W] or None. Returns [B, Hkv, T]."""
+        if queries is None:
+            if self._trig is None:
+                raise MoendError(f"{self.name} needs the prompt's queries or calibrated stats=QueryStats (a table)")
+            return self._trig.score(keys, values, key_positions=key_positions)
+        snap = self._snap.score(keys, values, queries=queries, key_positions=key_positions,
+                                query_positions=query_positions)
+        if not (self.trig_weight and self._trig is not None):
+            return snap
+        trig = self._trig.score(keys, values, key_positions=key_positions)
+        return standardise(snap) + self.trig_weight * standardise(trig)
