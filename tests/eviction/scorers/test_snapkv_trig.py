@@ -29,7 +29,7 @@ def test_it_is_snapkv_with_queries_and_trig_without(seed, b, hkv, group):
     kp = positions(seed, b, hkv, t)
     qp = kp.amax(dim=(1, 2))[:, None] + 1 + torch.arange(w)
     stats = _stats(h, d, seed + 2)
-    scorer = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w)
+    scorer = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w, trig_weight=0.0)
     snap = get_scorer("snapkv", window=w, pooling="max", kernel_size=9)
     trig = get_scorer("trig", rope=SPEC, stats=stats)
     with_q = scorer.score(keys, keys, queries=q, key_positions=kp, query_positions=qp)
