@@ -131,8 +131,11 @@ class AttentionCapture:
         layer0 = cap.layers[0]
 
     ``stats`` (optional): a dict layer -> :class:`QueryStats` updated in place with the un-rotated queries of
-    every token (needs ``rope``). Captures live in ``cap.layers`` until the caller drops them (``cap.pop(l)``).
-    The attention output is SDPA's, so the forward pass matches the model's ``sdpa`` implementation.
+    every token (needs ``rope``) but, when K/V are kept, those of the last ``window`` tokens: the statistics a
+    scorer ranks keys with are then estimated on other queries than the ones whose error S measures (as at
+    inference, where the table's statistics never saw the prompt). Captures live in ``cap.layers`` until the
+    caller drops them (``cap.pop(l)``). The attention output is SDPA's, so the forward pass matches the model's
+    ``sdpa`` implementation.
     """
 
     def __init__(self, model: Any, *, window: int = CALIBRATION_WINDOW, rope: RopeSpec | None = None,
@@ -155,13 +158,14 @@ class AttentionCapture:
         layer = int(module.layer_idx)
         b, h, t, d = query.shape
         pos = query_positions(kwargs, b, t, query.device)
+        w = min(self.window, t)
         if self.stats is not None:
             st = self.stats.get(layer)
             if st is None:
                 st = self.stats[layer] = QueryStats.empty(h, d)
-            st.accumulate_rotated(query.detach(), pos, self.rope)
+            seen = t - w if self.keep_kv and t > w else t
+            st.accumulate_rotated(query[:, :, :seen].detach(), pos[:, :seen], self.rope)
         if self.keep_kv:
-            w = min(self.window, t)
             self.layers[layer] = LayerCapture(
                 keys=key.detach(), values=value.detach(),
                 queries=query[:, :, t - w:].detach().clone(), query_positions=pos[:, t - w:].clone(),

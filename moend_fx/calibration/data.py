@@ -9,7 +9,8 @@ Two sources, mixed into every sequence (see ``docs/calibration.md``):
   source is used (the table's metadata records which licences went in).
 * **Synthetic long context**: seeded key/value records ("the access code of the amber archive is 48213"),
   filler prose built from word lists, and questions about records far back, so attention must reach
-  across the whole sequence (the retrieval pattern that long-context tasks stress).
+  across the whole sequence (the retrieval pattern that long-context tasks stress). A calibration sequence
+  can end with such questions (``tail``), so that the queries whose attention error S measures retrieve.
 
 Everything is a pure function of ``(seed, split, index)``: same arguments, same tokens.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,14 +155,34 @@ def sequence_text(seed: int, split: str, index: int, approx_chars: int,
     return "\n\n".join(parts), used
 
 
+_RECORD = re.compile(r"Record \d+: the ([a-z ]+?) of the ([a-z]+) ([a-z]+) is (\d+)\.")
+
+
+def retrieval_tail(tokenizer: Any, prefix: torch.Tensor, tokens: int, rng: random.Random) -> torch.Tensor | None:
+    """``tokens`` token ids [tokens] of questions, with their answers, about records in ``prefix`` [T] (earlier
+    in the same sequence), or None when it holds no record. Ending a calibration sequence with them puts
+    retrieval queries in the window whose attention error S measures: a layer that drops a fact then shows it."""
+    found = _RECORD.findall(tokenizer.decode(prefix.tolist()))
+    if not found:
+        return None
+    out: list[int] = []
+    while len(out) < tokens:
+        attr, adj, noun, val = rng.choice(found)
+        q = f"\nQuestion: what is the {attr} of the {adj} {noun}? Answer: {val}."
+        out += tokenizer(q, add_special_tokens=False)["input_ids"]
+    return torch.tensor(out[:tokens], dtype=torch.int64)
+
+
 def text_token_sequences(tokenizer: Any, num_sequences: int, tokens: int, *, seed: int = 0,
                          split: str = "calibration", folder: str | os.PathLike | None = None,
-                         ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``num_sequences`` sequences of exactly ``tokens`` token ids: [N, tokens] int64, plus a source record."""
+                         tail: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``num_sequences`` sequences of exactly ``tokens`` token ids: [N, tokens] int64, plus a source record.
+    tail: the last ``tail`` tokens of each are :func:`retrieval_tail` questions about its earlier records."""
     _check_positive("num_sequences", num_sequences)
     _check_positive("tokens", tokens)
     rows: list[torch.Tensor] = []
     used: list[str] = []
+    tails = 0
     for i in range(num_sequences):
         chars = 5 * tokens
         while True:
@@ -169,10 +191,17 @@ def text_token_sequences(tokenizer: Any, num_sequences: int, tokens: int, *, see
             if ids.numel() >= tokens:
                 break
             chars *= 2  # a tokenizer with long tokens: generate more text (deterministically)
-        rows.append(ids[:tokens].to(torch.int64))
+        ids = ids[:tokens].to(torch.int64)
+        if 0 < tail < tokens:
+            rng = random.Random(f"moend-calib-tail/{seed}/{split}/{i}")
+            t = retrieval_tail(tokenizer, ids[: tokens - tail], tail, rng)
+            if t is not None:
+                ids, tails = torch.cat([ids[: tokens - tail], t]), tails + 1
+        rows.append(ids)
         used.extend(lic)
     source = {"kind": "text", "split": split, "seed": seed, "licenses": sorted(set(used)),
-              "license_dir": str(folder or LICENSE_DIR)}
+              "license_dir": str(folder or LICENSE_DIR), "retrieval_tail_tokens": tail,
+              "sequences_with_tail": tails}
     return torch.stack(rows), source
 
 
@@ -189,10 +218,11 @@ def random_token_sequences(vocab_size: int, num_sequences: int, tokens: int, *, 
 
 
 def token_sequences(model: Any, tokenizer: Any | None, num_sequences: int, tokens: int, *, seed: int = 0,
-                    split: str = "calibration") -> tuple[torch.Tensor, dict[str, Any]]:
-    """Text sequences when a tokenizer is given, else random ids over the model's vocabulary."""
+                    split: str = "calibration", tail: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Text sequences when a tokenizer is given (``tail``: :func:`text_token_sequences`), else random ids over
+    the model's vocabulary."""
     if tokenizer is not None:
-        return text_token_sequences(tokenizer, num_sequences, tokens, seed=seed, split=split)
+        return text_token_sequences(tokenizer, num_sequences, tokens, seed=seed, split=split, tail=tail)
     return random_token_sequences(int(model.config.vocab_size), num_sequences, tokens, seed=seed, split=split)
 
 

@@ -14,8 +14,9 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
    take the relative L2 error against the same computation on the uncompressed K/V.
 
-``S`` is the mean over sequences. Memory: one sequence's captures (O(L * T * D)), freed layer by layer;
-attention is O(W * T) per layer, never O(T^2).
+``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`). The
+query statistics trig scores with are accumulated on every token but the measured window's. Memory: one
+sequence's captures (O(L * T * D)), freed layer by layer; attention is O(W * T) per layer, never O(T^2).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
+from moend_fx.calibration.monotone import monotone_in_keep
 from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
@@ -45,12 +47,19 @@ __all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", 
            "stale_reason", "window_attention"]
 
 
+CALIBRATION_VERSION = 2
+_VERSION_NOTE = ("2: query statistics exclude the measured window, S monotone in keep ratio, the cache's "
+                 "keep floor")
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """How a table was calibrated (stored in the table's metadata).
 
     window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
-    ``moend_fx.common.defaults.QUERY_WINDOW``, of them)."""
+    ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tail: each text sequence ends with ``window``
+    tokens of questions about its earlier records (``moend_fx.calibration.data.retrieval_tail``), so the measured
+    queries retrieve facts (text sequences only; random ids have none)."""
 
     tokens: int = CALIBRATION_TOKENS
     num_sequences: int = 1
@@ -60,6 +69,7 @@ class CalibrationSettings:
     group_size: int = GROUP_SIZE
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
+    retrieval_tail: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tokens", "num_sequences", "window"):
@@ -67,6 +77,8 @@ class CalibrationSettings:
         for name in ("sink_tokens", "recent_tokens", "seed"):
             check_int(name, getattr(self, name), minimum=0)
         check_power_of_two("group_size", self.group_size)
+        if not isinstance(self.retrieval_tail, bool):
+            raise MoendError(f"retrieval_tail={self.retrieval_tail!r} is invalid; allowed: True or False")
         object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,11 +98,15 @@ def scorer_options(name: str) -> dict[str, Any]:
 
 
 def stale_reason(table: Any) -> str | None:
-    """Why ``table`` was calibrated with other scorer options than this version's defaults (None if current).
+    """Why ``table`` was calibrated by an older calibration (:data:`CALIBRATION_VERSION`) or with other scorer
+    options than this version's defaults (None if current).
 
     The cache scores tokens with the current defaults, so a table measured with older ones mis-predicts
     what eviction costs: recalibrate it (``moend calibrate``)."""
     cal = table.calibration
+    if cal.get("version", 1) != CALIBRATION_VERSION:
+        return (f"the table was made by calibration version {cal.get('version', 1)}, this version makes "
+                f"{CALIBRATION_VERSION} ({_VERSION_NOTE}); recalibrate it with `moend calibrate`")
     name = str(cal.get("scorer", ScorerName.TRIG))
     if name not in SCORERS:
         return None
@@ -124,9 +140,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, ref_norm: float) -> float:
 
 def kept_tokens(cap: LayerCapture, scores: torch.Tensor, keep: float, sink: int, recent: int,
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Kept K, V [B, Hkv, n, D] and positions [B, Hkv, n] (None when nothing is evicted)."""
+    """Kept K, V [B, Hkv, n, D] and positions [B, Hkv, n] (None when nothing is evicted): as many tokens as the
+    cache keeps, its sinks and recent window at least."""
     b, hkv, t, _ = cap.keys.shape
-    n = keep_count(t, keep)
+    n = keep_count(t, keep, floor=sink + recent)
     if n >= t:
         return cap.keys, cap.values, None
     kp = cap.key_positions[:, None, :].expand(b, hkv, t)
@@ -162,7 +179,7 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
     if ref_norm == 0.0:
         raise MoendError("the attention output of the calibration window is all zeros; cannot measure "
                          "relative errors (check the model and the input)")
-    needs_scores = any(keep_count(t, kr) < t for kr in grid.keep_ratios)
+    needs_scores = any(keep_count(t, kr, floor=sink_tokens + recent_tokens) < t for kr in grid.keep_ratios)
     scores = None
     if needs_scores:
         kp = cap.key_positions[:, None, :].expand(b, hkv, t)
@@ -193,7 +210,8 @@ def _settings_and_tokens(model: Any, tokenizer: Any | None, token_ids: torch.Ten
         settings = CalibrationSettings(**{**settings.to_dict(), **overrides})
     if token_ids is None:
         token_ids, source = token_sequences(model, tokenizer, settings.num_sequences, settings.tokens,
-                                            seed=settings.seed, split="calibration")
+                                            seed=settings.seed, split="calibration",
+                                            tail=settings.window if settings.retrieval_tail else 0)
         return settings, token_ids, source
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 2 or token_ids.shape[1] < 2 or token_ids.dtype.is_floating_point:
@@ -257,8 +275,11 @@ def calibrate(
     grid = grid or Grid()
     fp = ModelFingerprint.from_model(model)
     stats: dict[int, QueryStats] = {}
-    S = _summed_errors(model, token_ids, grid, settings, stats, progress) / token_ids.shape[0]
-    calibration = {**settings.to_dict(), "scorer_options": scorer_options(settings.scorer),
+    S, monotone = monotone_in_keep(_summed_errors(model, token_ids, grid, settings, stats, progress)
+                                   / token_ids.shape[0], grid)
+    calibration = {**settings.to_dict(), "version": CALIBRATION_VERSION,
+                   "scorer_options": scorer_options(settings.scorer), "monotone": monotone,
+                   "setting": str(SCORERS[settings.scorer].setting),
                    "context_length": settings.tokens, "source": source,
                    "metric": "relative L2 error of the attention output of the last `window` queries, "
                              "one layer compressed at a time"}

@@ -15,7 +15,7 @@ from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path, table_context_length
 from moend_fx.cli.args import csv_list, names, positive_int
 from moend_fx.common.defaults import DEFAULT_MODEL
-from moend_fx.common.options import ScorerName
+from moend_fx.common.options import ScorerName, Setting
 from moend_fx.plan.config import LayerConfig
 from moend_fx.plan.memory import DEFAULT_KEEP_FLOOR, full_cache_bytes, keep_count, plan_layer_parts
 from moend_fx.plan.summary import parts_cells, parts_header
@@ -32,10 +32,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=args.scorer,
-                      seed=args.seed, window=args.window, progress=not args.quiet)
+    from moend_fx.eviction.scorers import default_scorer
+
+    scorer = args.scorer or default_scorer(args.setting)
+    table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=scorer,
+                      seed=args.seed, window=args.window, retrieval_tail=args.retrieval_tail,
+                      progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=args.scorer)
+    out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=scorer)
     table.save(out)
     print(f"calibrated {table.num_layers} layers x {len(table.grid)} configs on {args.sequences} x "
           f"{args.tokens} tokens in {wall:.1f} s wall ({cpu:.1f} s CPU, {torch.get_num_threads()} threads)")
@@ -53,7 +57,7 @@ def table_text(table: SensitivityTable) -> str:
         f"head_dim {fp.head_dim}, {fp.dtype})",
         f"grid: {table.grid.describe()} = {len(table.grid)} configs; group size {table.group_size}",
         "calibration: " + ", ".join(f"{k}={cal[k]}" for k in ("tokens", "num_sequences", "seed", "scorer",
-                                                               "window") if k in cal),
+                                                               "setting", "window") if k in cal),
         f"S range: {table.S.min():.4g} .. {table.S.max():.4g}",
         "",
         "mean S over layers (rows: keep ratio; columns: K/V bits):",
@@ -173,9 +177,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tokens", type=positive_int, default=cal.tokens, help="tokens per calibration sequence")
     p.add_argument("--sequences", type=positive_int, default=cal.num_sequences,
                    help="calibration sequences (default %(default)s)")
-    p.add_argument("--scorer", default=str(cal.scorer), choices=names(ScorerName), help="eviction scorer")
+    p.add_argument("--setting", default=str(Setting.QUERY_AGNOSTIC), choices=names(Setting),
+                   help="what the table is for: query_aware (prompts that end with their question: scorer "
+                        f"{ScorerName.SNAPKV_TRIG}) or query_agnostic (scorer {ScorerName.TRIG}); default %(default)s")
+    p.add_argument("--scorer", default=None, choices=names(ScorerName),
+                   help="eviction scorer (default: the setting's)")
     p.add_argument("--seed", type=int, default=cal.seed, help="calibration text seed")
-    p.add_argument("--window", type=positive_int, default=cal.window, help="observation window (last queries)")
+    p.add_argument("--window", type=positive_int, default=cal.window,
+                   help="last queries whose attention error is measured (default %(default)s)")
+    p.add_argument("--retrieval-tail", action=argparse.BooleanOptionalAction, default=cal.retrieval_tail,
+                   help="end each sequence with --window tokens of questions about its earlier records "
+                        "(default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default=None,
                    help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors, e.g. "

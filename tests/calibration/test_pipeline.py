@@ -60,7 +60,8 @@ def test_capture_forward_matches_model(family, kw):
     assert c.keys.shape == (1, kw["num_kv_heads"], 80, kw["head_dim"]) and c.values.shape == c.keys.shape
     assert c.queries.shape == (1, kw["num_heads"], 16, kw["head_dim"])
     assert c.query_positions.tolist() == [list(range(64, 80))]
-    assert stats[0].count == 80 and stats[1].num_heads == kw["num_heads"]
+    # every query but the 16 whose error is measured: the statistics never saw the measured window
+    assert stats[0].count == 80 - 16 and stats[1].num_heads == kw["num_heads"]
 
 
 def test_capture_keys_are_the_cache_keys(model):
@@ -117,7 +118,10 @@ def test_monotone_in_bits(table):
             for means in (k_means, v_means):
                 assert all(b >= a * (1 - tol) for a, b in zip(means, means[1:])), (keep, other, means)
         if keep_count(192, keep) >= 32:  # fewer kept tokens than one group: all stay in the fp residual
-            assert table.column(LayerConfig(keep, 4, 4)).mean() > table.column(LayerConfig(keep, 16, 16)).mean()
+            # at keep < 1 eviction dominates (S ~ 1 on this random model): ties within 1%, as above
+            tol = 0.0 if keep == 1.0 else 1e-2
+            four, sixteen = (table.column(LayerConfig(keep, b, b)).mean() for b in (4, 16))
+            assert four > sixteen * (1 - tol), (keep, four, sixteen)
 
 
 def test_same_seed_same_table(model, table):
@@ -132,7 +136,7 @@ def test_table_metadata_and_stats(model, table, tmp_path):
     assert table.fingerprint == ModelFingerprint.from_model(model)
     assert table.calibration["tokens"] == 192 and table.calibration["num_sequences"] == 2
     assert table.calibration["scorer"] == "trig" and table.calibration["source"]["kind"] == "random"
-    assert table.layer_stats(0).count == 2 * 192
+    assert table.layer_stats(0).count == 2 * (192 - 64)  # every query but the measured window's (64)
     back = type(table).load(table.save(tmp_path / "t.safetensors"))
     assert back.S.tobytes() == table.S.tobytes()
     table.check_model(model)
@@ -149,6 +153,10 @@ def test_table_records_scorer_options_and_stale_tables_are_named(table, tmp_path
                 {**table.calibration, "scorer_options": {**opts, "kernel_size": 5}}):
         why = stale_reason(dataclasses.replace(table, calibration=cal))
         assert why is not None and "recalibrate" in why and "pooling" in why
+    # a table from the first calibration (no version: statistics over the measured window, S not monotone)
+    old = {k: v for k, v in table.calibration.items() if k != "version"}
+    why = stale_reason(dataclasses.replace(table, calibration=old))
+    assert why is not None and "calibration version 1" in why and "recalibrate" in why
 
 
 @pytest.mark.parametrize("name", ["trig", "snapkv", "h2o", "keynorm", "streaming"])
