@@ -3,7 +3,9 @@
 For each method and context length ``n``: prefill ``n - warmup - steps`` random token ids once (uncompiled
 forward, last logits only), then greedy decode ``warmup + steps`` tokens one at a time, so the last step
 runs at ``n`` tokens (the model's limit is reachable), and take the median of the last ``steps`` step
-times. Methods (``METHODS``):
+times. With ``batches`` (at ``batch_lengths``), the same with ``B`` rows of random tokens decoded together:
+``ms_median`` is then the time of one step (one token for each row) and ``tokens_per_s = B / step seconds``.
+Methods (``METHODS``):
 
 * ``full_eager``: HF ``DynamicCache``, sdpa attention: the baseline every ratio is taken against;
 * ``full_inductor``: the same after ``model.compile()`` (inductor);
@@ -15,7 +17,11 @@ the reason, and the run goes on. Memory: the cache's own tensor bytes (``nbytes(
 tensor bytes for DynamicCache) and the process RSS growth (peak during prefill, peak during decode, and
 retained after decode; glibc keeps freed memory, so RSS figures are upper bounds and noisy). Roofline:
 every decode step must read the weights and the whole cache once, so it takes at least
-``(weight bytes + cache bytes) / bandwidth`` (design.md: ~27-30 GB/s here).
+``(weight bytes + cache bytes) / bandwidth`` (design.md: ~27-30 GB/s here). Each row also checks the cache's
+measured bytes against the memory model (``model_cache_bytes``, ``cache_bound_bytes``); with ``memory_cap`` the
+result's ``fit`` holds the largest batch of each method under the cap, predicted from the memory model
+(:mod:`moend_fx.bench.capacity`). Cold and warm compile times run in fresh processes:
+:mod:`moend_fx.bench.compile_time`.
 
 Compile time shows in ``warmup_s`` (the warm-up steps of the first length pay it). A MoENDCache re-evicts
 every 128 generated tokens; with the default 16 steps no re-eviction falls inside the measured window.
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 
 from moend_fx.bench import decode_run as run
+from moend_fx.bench.capacity import ModelShape, fit_rows
 from moend_fx.bench.decode_report import markdown_table, plot_decode, write_decode
 from moend_fx.bench.decode_run import DecodeMethod, unavailable_row
 from moend_fx.bench.decode_settings import (
@@ -40,6 +47,7 @@ from moend_fx.bench.decode_settings import (
     DEFAULT_UNIFORM,
     METHODS,
     DecodeBenchSettings,
+    parse_batches,
     parse_methods,
 )
 from moend_fx.bench.probes import cache_nbytes, rss_bytes, weight_bytes
@@ -50,8 +58,8 @@ from moend_fx.plan.summary import plan_summary
 
 __all__ = ["BASELINE", "DEFAULT_BANDWIDTH_GBS", "DEFAULT_LENGTHS", "DEFAULT_UNIFORM", "METHODS",
            "DecodeBenchSettings", "add_ratios", "all_cores", "bench_decode", "cache_nbytes", "markdown_table",
-           "parse_methods", "plan_for_length", "plan_summary", "plot_decode", "rss_bytes", "weight_bytes",
-           "write_decode"]
+           "parse_batches", "parse_methods", "plan_for_length", "plan_summary", "plot_decode", "rss_bytes",
+           "weight_bytes", "write_decode"]
 
 
 def all_cores() -> int:
@@ -93,8 +101,23 @@ def bench_decode(model: Any, settings: DecodeBenchSettings | None = None, *, tab
     methods, plan_source = _methods(model, settings, table, plan)
     rows = _run_all(model, methods, settings, table, progress, log or (lambda s: None))
     result = {"format": "moend_fx.bench.decode", "version": 1,
-              "meta": _meta(model, settings, methods, plan_source), "rows": rows}
+              "meta": _meta(model, settings, methods, plan_source), "rows": rows,
+              "fit": _fit(model, settings, methods, table)}
     return add_ratios(result)
+
+
+def _fit(model: Any, settings: DecodeBenchSettings, methods: list[DecodeMethod], table: Any
+         ) -> list[dict[str, Any]] | None:
+    """The largest batch of every method under ``settings.memory_cap`` (predicted), or None without a cap."""
+    cap = settings.memory_cap_bytes
+    if cap is None:
+        return None
+    from moend_fx.calibration.tables import layer_query_stats
+
+    calibrated = table is not None and layer_query_stats(table) is not None
+    plans = {m.name: (dict(m.plans) if m.moend else None) for m in methods}
+    return fit_rows(plans, settings.lengths, ModelShape.from_model(model), weight_bytes(model), cap,
+                    calibrated=calibrated)
 
 
 def _check_run(model: Any, settings: DecodeBenchSettings, table: Any, plan: RoutingPlan | None) -> None:
@@ -127,10 +150,11 @@ def _methods(model: Any, settings: DecodeBenchSettings, table: Any, plan: Routin
 
 def _run_all(model: Any, methods: list[DecodeMethod], settings: DecodeBenchSettings, table: Any, progress: bool,
              say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """One row per (method, context length), in that order; the model is torn down after each method."""
+    """One row per (method, context length, batch), in that order; the model is torn down after each method."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(methods) * len(settings.lengths), desc="bench decode", unit="run", disable=not progress)
+    runs = [(n, b) for n in settings.lengths for b in settings.batches_at(n)]
+    bar = tqdm(total=len(methods) * len(runs), desc="bench decode", unit="run", disable=not progress)
     rows: list[dict[str, Any]] = []
     try:
         for m in methods:
@@ -139,14 +163,16 @@ def _run_all(model: Any, methods: list[DecodeMethod], settings: DecodeBenchSetti
                 run.setup_model(model, m, settings, table)
             except Exception as e:  # a missing or broken backend is a result to report, not a crash
                 reason = f"setup failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            for n in settings.lengths:
-                bar.set_postfix_str(f"{m.name} @ {n}")
-                row = _row(model, m, n, settings, table) if reason is None else unavailable_row(m.name, n, reason)
-                rows.append(row)
-                if row["status"] == "ok":
-                    say(f"{m.name} @ {n}: {row['ms_median']:.1f} ms/token, cache {format_bytes(row['cache_bytes'])}")
+            last_n = None
+            for n, b in runs:
+                bar.set_postfix_str(f"{m.name} @ {n} x{b}")
+                if reason is None:
+                    row = _row(model, m, n, b, settings, table, new_length=n != last_n)
                 else:
-                    say(f"{m.name} @ {n}: unavailable ({row['reason']})")
+                    row = unavailable_row(m.name, n, reason, b)
+                last_n = n
+                rows.append(row)
+                say(_progress_line(row))
                 bar.update(1)
             run.teardown_model(model)
     finally:
@@ -155,14 +181,25 @@ def _run_all(model: Any, methods: list[DecodeMethod], settings: DecodeBenchSetti
     return rows
 
 
-def _row(model: Any, m: DecodeMethod, n: int, settings: DecodeBenchSettings, table: Any) -> dict[str, Any]:
-    """One method at context length ``n`` (random context tokens, seeded per length); a failure other than a
-    user error becomes an "unavailable" row with the reason."""
-    ids = torch.randint(0, model.config.vocab_size, (1, n - settings.warmup - settings.steps),
+def _progress_line(row: dict[str, Any]) -> str:
+    where = f"{row['method']} @ {row['tokens']}" + (f" x{row['batch']}" if row["batch"] != 1 else "")
+    if row["status"] != "ok":
+        return f"{where}: unavailable ({row['reason']})"
+    return (f"{where}: {row['ms_median']:.1f} ms/step, {row['tokens_per_s']:.1f} tokens/s, "
+            f"cache {format_bytes(row['cache_bytes'])}")
+
+
+def _row(model: Any, m: DecodeMethod, n: int, batch: int, settings: DecodeBenchSettings, table: Any, *,
+         new_length: bool) -> dict[str, Any]:
+    """One method at context length ``n`` and ``batch`` rows (random context tokens, seeded per length: the
+    first row is the same at every batch size); a failure other than a user error becomes an "unavailable" row
+    with the reason."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, n - settings.warmup - settings.steps),
                         generator=torch.Generator().manual_seed(settings.seed + n))
-    if m.compile_backend == "moend":
+    if m.compile_backend == "moend" and new_length:
         # Each length has its own plan (its own bit widths per layer): a served model holds one plan, so each
-        # length starts from fresh compiled graphs (compile time is in warmup_s).
+        # length starts from fresh compiled graphs (compile time is in warmup_s). A new batch size at the same
+        # length recompiles once (dynamo then marks the batch dimension dynamic), also in warmup_s.
         torch._dynamo.reset()
     try:
         return run.run_one(model, m, n, settings, ids, table)
@@ -170,7 +207,7 @@ def _row(model: Any, m: DecodeMethod, n: int, settings: DecodeBenchSettings, tab
         raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return unavailable_row(m.name, n, f"{type(e).__name__}: {msg[:300]}")
+        return unavailable_row(m.name, n, f"{type(e).__name__}: {msg[:300]}", batch)
 
 
 def _meta(model: Any, settings: DecodeBenchSettings, methods: list[DecodeMethod], plan_source: str | None
@@ -182,34 +219,39 @@ def _meta(model: Any, settings: DecodeBenchSettings, methods: list[DecodeMethod]
         "model": fp.to_dict(), "model_name": model_name(model), "settings": settings.to_dict(),
         "plan_source": plan_source, "weight_bytes": weight_bytes(model), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
+        # per sequence (batch 1); a row of batch B compares against B times these
         "full_cache_16bit": {n: full_cache_bytes(fp, n) for n in settings.lengths},
         "full_cache_model_dtype": {n: full_cache_bytes(fp, n, dtype=None) for n in settings.lengths},
         "planned_bytes": {n: plan_bytes(m.plans[n], n) for m in methods if m.moend for n in settings.lengths},
-        "baseline": BASELINE,
-        "notes": "time ratio = baseline ms / method ms (> 1 is faster); cache ratios against the uncompressed "
-                 "cache of the same tokens, 16-bit base (the paper's) and the model's dtype; roofline = "
-                 "(weight bytes + cache bytes) / bandwidth",
+        "baseline": BASELINE, "memory_cap_bytes": settings.memory_cap_bytes,
+        "shape": ModelShape.from_model(model).to_dict(),
+        "notes": "ms_median is per decode step (one token for each of the batch's rows); tokens_per_s = batch / "
+                 "step seconds; time ratio = baseline ms / method ms at the same length and batch (> 1 is "
+                 "faster); cache ratios against the uncompressed cache of the same tokens and rows, 16-bit base "
+                 "(the paper's) and the model's dtype; roofline = (weight bytes + cache bytes) / bandwidth",
     }
 
 
 def add_ratios(result: dict[str, Any]) -> dict[str, Any]:
-    """Fill the derived columns of every ok row: speedup and time ratio vs the baseline of the same length,
-    cache ratios (16-bit and model-dtype bases), roofline ms and the distance to it. Returns ``result``."""
+    """Fill the derived columns of every ok row: speedup and time ratio vs the baseline of the same length and
+    batch, cache ratios (16-bit and model-dtype bases, for the row's batch), roofline ms and the distance to it,
+    tokens/s. Returns ``result`` (rows from before batches existed count as batch 1)."""
     meta = result["meta"]
     bw = meta["settings"]["bandwidth_gbs"] * 1e9
-    base = {r["tokens"]: r for r in result["rows"] if r["method"] == meta.get("baseline", BASELINE)
-            and r["status"] == "ok"}
+    base = {(r["tokens"], r.get("batch", 1)): r for r in result["rows"]
+            if r["method"] == meta.get("baseline", BASELINE) and r["status"] == "ok"}
     for r in result["rows"]:
         if r["status"] != "ok":
             continue
-        n = r["tokens"]
-        full16 = _lookup(meta["full_cache_16bit"], n)
-        fullm = _lookup(meta["full_cache_model_dtype"], n)
+        n, batch = r["tokens"], r.setdefault("batch", 1)
+        full16 = _lookup(meta["full_cache_16bit"], n) * batch
+        fullm = _lookup(meta["full_cache_model_dtype"], n) * batch
+        r.setdefault("tokens_per_s", batch / (r["ms_median"] / 1e3))
         r["roofline_ms"] = (meta["weight_bytes"] + r["cache_bytes"]) / bw * 1e3
         r["x_roofline"] = r["ms_median"] / r["roofline_ms"]
         r["cache_ratio_16bit"] = full16 / r["cache_bytes"] if r["cache_bytes"] else None
         r["cache_ratio_model_dtype"] = fullm / r["cache_bytes"] if r["cache_bytes"] else None
-        b = base.get(n)
+        b = base.get((n, batch))
         if b is not None:
             r["speedup_vs_baseline"] = b["ms_median"] / r["ms_median"]
             r["time_ratio_vs_baseline"] = r["ms_median"] / b["ms_median"]

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from moend_fx.bench.capacity import cache_bound
 from moend_fx.bench.decode_settings import DecodeBenchSettings
 from moend_fx.bench.probes import cache_nbytes, peak_rss_bytes, release_memory, reset_peak_rss, rss_bytes
 from moend_fx.cache.generation import decode_compile_settings
 from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.models.compiled import uncompile
-from moend_fx.plan.routing import RoutingPlan
+from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
 from moend_fx.plan.summary import plan_summary
 
 
@@ -71,7 +72,9 @@ def teardown_model(model: Any) -> None:
     unprepare(model)
 
 
-def _new_cache(model: Any, m: DecodeMethod, length: int, table: Any) -> Any:
+def new_cache(model: Any, m: DecodeMethod, length: int, table: Any) -> Any:
+    """An empty cache for method ``m`` at context ``length``: a ``DynamicCache``, or a MoENDCache for the
+    length's plan (with the table's calibrated query statistics, if it has them)."""
     if not m.moend:
         from transformers import DynamicCache
 
@@ -83,29 +86,42 @@ def _new_cache(model: Any, m: DecodeMethod, length: int, table: Any) -> Any:
     return MoENDCache(m.plans[length], rope=rope_from_model(model), query_stats=stats)
 
 
-def _decode(model: Any, cache: Any, tok: torch.Tensor, steps: int, times: list[float] | None) -> torch.Tensor:
-    """``steps`` greedy decode steps from ``tok`` [1, 1]; each step's time appended to ``times`` if given.
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (each compile and recompile counts one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def decode_steps(model: Any, cache: Any, tok: torch.Tensor, steps: int, times: list[float] | None,
+                 graphs: list[int] | None = None) -> torch.Tensor:
+    """``steps`` greedy decode steps from ``tok`` [B, 1] (returns the last [B, 1]); each step's time appended to
+    ``times`` and the graphs it compiled to ``graphs``, if given.
 
     A hand-written decode loop over a MoENDCache does what a prepared model's generate() does: the cache's
     before_step hook (deferred eviction, dynamic marks) outside the compiled step; a step's time includes it."""
     before = getattr(cache, "before_step", None) or (lambda: None)
     for _ in range(steps):
+        g = compiled_graphs()
         t = time.perf_counter()
         before()
         tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         if times is not None:
             times.append(time.perf_counter() - t)
+        if graphs is not None:
+            graphs.append(compiled_graphs() - g)
     return tok
 
 
 @torch.no_grad()
 def run_one(model: Any, m: DecodeMethod, length: int, settings: DecodeBenchSettings, ids: torch.Tensor,
             table: Any) -> dict[str, Any]:
-    """Prefill ``ids`` [1, T] (uncompiled forward), then warm-up and measured decode steps; the row's figures."""
+    """Prefill ``ids`` [B, T] (uncompiled forward), then warm-up and measured decode steps of all B rows at
+    once; the row's figures (times are per step: one token for each of the B rows)."""
     release_memory()
     base_rss = rss_bytes()
     reset_peak_rss()
-    cache = _new_cache(model, m, length, table)
+    cache = new_cache(model, m, length, table)
     t0 = time.perf_counter()
     # The uncompiled forward for the prefill: nn.Module.compile hooks __call__ only, and a compiled
     # 8k-token prefill graph is not what this benchmark measures.
@@ -117,31 +133,54 @@ def run_one(model: Any, m: DecodeMethod, length: int, settings: DecodeBenchSetti
     reset_peak_rss()
     settings_ctx = decode_compile_settings() if m.compile_backend == "moend" else contextlib.nullcontext()
     times: list[float] = []
+    warm_graphs: list[int] = []
+    graphs: list[int] = []
     with settings_ctx:
         warm0 = time.perf_counter()
-        tok = _decode(model, cache, tok, settings.warmup, None)
+        tok = decode_steps(model, cache, tok, settings.warmup, None, warm_graphs)
         warmup_s = time.perf_counter() - warm0
-        _decode(model, cache, tok, settings.steps, times)
+        decode_steps(model, cache, tok, settings.steps, times, graphs)
     decode_peak, after = peak_rss_bytes(), rss_bytes()
-    kv, scratch = cache_nbytes(cache)
-    held = int(cache.get_seq_length())
+    row = _cache_figures(model, m, length, int(ids.shape[0]), cache, table)
     del cache
     release_memory()
 
     def growth(x: int | None) -> int | None:
         return None if x is None or base_rss is None else x - base_rss
 
-    ms = sorted(t * 1e3 for t in times)
+    # A measured step that compiled a graph (a recompile the warm-up did not absorb) is left out of the median.
+    ms = sorted(t * 1e3 for t, g in zip(times, graphs) if not g) or sorted(t * 1e3 for t in times)
+    batch = int(ids.shape[0])
+    med = statistics.median(ms)
     return {
-        "method": m.name, "tokens": length, "status": "ok", "reason": None,
-        "ms_median": statistics.median(ms), "ms_min": ms[0], "ms_max": ms[-1], "steps": settings.steps,
-        "prefill_s": prefill_s, "warmup_s": warmup_s, "seq_length_after": held,
-        "cache_bytes": kv, "scratch_bytes": scratch,
+        "method": m.name, "tokens": length, "batch": batch, "status": "ok", "reason": None,
+        "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "steps": settings.steps,
+        "tokens_per_s": batch / (med / 1e3), "step_ms": [t * 1e3 for t in times], "step_graphs": graphs,
+        "compiled_steps": sum(1 for g in graphs if g), "graphs_compiled": sum(warm_graphs) + sum(graphs),
+        "prefill_s": prefill_s, "warmup_s": warmup_s, **row,
         "rss_base_bytes": base_rss, "prefill_peak_rss_growth": growth(prefill_peak),
         "decode_peak_rss_growth": growth(decode_peak), "rss_retained_growth": growth(after),
         "plan": plan_summary(m.plans[length]) if m.moend else None,
     }
 
 
-def unavailable_row(method: str, tokens: int, reason: str) -> dict[str, Any]:
-    return {"method": method, "tokens": tokens, "status": "unavailable", "reason": reason}
+def _cache_figures(model: Any, m: DecodeMethod, length: int, batch: int, cache: Any, table: Any
+                   ) -> dict[str, Any]:
+    """The cache's measured bytes after the last step and what the memory model says of them:
+    ``model_cache_bytes`` prices what the cache holds (a full cache: every token in the model's dtype; a
+    MoENDCache: its held tokens, ``MoENDCache.model_bytes()``); ``cache_bound_bytes`` is the most it may hold
+    (:func:`~moend_fx.bench.capacity.cache_bound`, what the capacity estimate uses)."""
+    kv, scratch = cache_nbytes(cache)
+    held = int(cache.get_seq_length())
+    fp = ModelFingerprint.from_model(model)
+    plan = m.plans[length] if m.moend else None
+    calibrated = table is not None and layer_query_stats(table) is not None
+    bound = cache_bound(plan, fp, held, batch, calibrated=calibrated)
+    modelled = int(cache.model_bytes().total) if m.moend else bound
+    return {"seq_length_after": held, "cache_bytes": kv, "scratch_bytes": scratch,
+            "cache_bytes_per_sequence": kv / batch, "model_cache_bytes": modelled, "cache_bound_bytes": bound,
+            "cache_matches_model": kv == modelled, "cache_within_bound": kv <= bound}
+
+
+def unavailable_row(method: str, tokens: int, reason: str, batch: int = 1) -> dict[str, Any]:
+    return {"method": method, "tokens": tokens, "batch": batch, "status": "unavailable", "reason": reason}

@@ -153,17 +153,23 @@ def _plot_kernels(rows: list[dict], path: Path) -> Path:
 # --------------------------------------------------------------------------------------------- eval
 
 
-def bench_eval_section(model_name: str, table_path: str | os.PathLike, config: Any, *, out: str | os.PathLike,
-                       progress: bool = True) -> tuple[str, Files]:
-    """Wrap the evaluation runner (``moend eval``) with a small configuration; resumes from ``out``."""
+def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, config: Any, *,
+                       out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
+    """Wrap the evaluation runner (``moend eval``) with a small configuration; resumes from ``out``.
+    table_path: one table for every setting, or None for each setting's cached default."""
+    from moend_fx.calibration.tables import setting_tables
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
+    from moend_fx.models import load_model
 
-    table_path = Path(table_path)
-    model, tok, table = _model_and_table(model_name, table_path)
-    runner = Runner(model, tok, table, config, progress=progress)
+    tables, paths, warnings = setting_tables(model_name, config.settings, table_path)
+    for why in warnings:
+        print(f"moend bench eval: warning: {why}", file=sys.stderr)
+    model, tok = load_model(model_name)
+    runner = Runner(model, tok, tables, config, progress=progress)
     result = runner.run(out, resume=True)
-    meta = dict(result.meta, table_path=str(table_path), model_name=model_name)
+    meta = dict(result.meta, table_path=str(paths[config.settings[0]]), model_name=model_name,
+                table_paths={str(s): str(p) for s, p in paths.items()})
     paths = write_report(result.records, out, meta=meta, plans=result.plans)
     md_path = paths.get("md") or paths.get("markdown")
     md = Path(md_path).read_text() if md_path else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from moend_fx.bench.report import KEYS
-from moend_fx.calibration.tables import DEFAULT_TABLE_HINT
+from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, SETTING_TABLES_HINT
 from moend_fx.cli.args import names, positive_int
 from moend_fx.cli.bench_commands import (
     cmd_all,
@@ -100,6 +100,18 @@ def register(subparsers: Any) -> None:
     d.add_argument("--inner", default=str(dec.inner), choices=names(InnerCompiler),
                    help="moend backend inner compiler")
     d.add_argument("--seed", type=int, default=dec.seed, help="seed of the random context tokens")
+    d.add_argument("--batches", default=",".join(map(str, dec.batches)),
+                   help="batch sizes decoded together (rows of random tokens; tokens/s = batch / step time; "
+                        "default %(default)s)")
+    d.add_argument("--batch-lengths", default="",
+                   help="context lengths at which every --batches size runs; the others run batch 1 only "
+                        "(default: every length)")
+    d.add_argument("--memory-cap", default="",
+                   help="e.g. 8GB: also the largest batch of each method under this cap, predicted from the memory "
+                        "model (default: none)")
+    d.add_argument("--compile-times", action="store_true",
+                   help="also the cold and warm compile time of each compiled method's decode graph, each in a "
+                        "fresh process with a new TORCHINDUCTOR_CACHE_DIR, at the shortest --lengths")
     _common(d, cmd_decode)
 
     f = sub.add_parser("prefill", help="a long prompt's prefill: chunked vs one-shot time, peak RSS, accuracy",
@@ -143,7 +155,7 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser("eval", help="accuracy vs memory: the published configuration by default (about an hour "
                                     "on 2 cores; resumes from --out)")
     e.add_argument("--model", default=DEFAULT_MODEL)
-    e.add_argument("--table", default=None, help=f"table (default {DEFAULT_TABLE_HINT})")
+    e.add_argument("--table", default=None, help=f"table for every setting (default {SETTING_TABLES_HINT})")
     e.add_argument("--tasks", default=",".join(PUBLISHED_EVAL["tasks"]), help="default %(default)s")
     e.add_argument("--lengths", default=",".join(map(str, PUBLISHED_EVAL["lengths"])), help="default %(default)s")
     e.add_argument("--n", type=positive_int, default=PUBLISHED_EVAL["n"],

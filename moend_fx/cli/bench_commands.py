@@ -105,15 +105,18 @@ def _uniform(text: str) -> Any:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from moend_fx.bench.decode import DecodeBenchSettings, parse_methods
+    from moend_fx.bench.decode import DecodeBenchSettings, parse_batches, parse_methods
     from moend_fx.bench.suite import bench_decode_section
 
     _threads(args)
     uniform = _uniform(args.uniform)
+    batch_lengths = int_list(args.batch_lengths, "--batch-lengths") if args.batch_lengths.strip() else None
     settings = DecodeBenchSettings(lengths=int_list(args.lengths, "--lengths"), steps=args.steps,
                                    warmup=args.warmup, methods=parse_methods(args.methods), budget=args.budget,
                                    uniform=uniform, bandwidth_gbs=args.bandwidth, seed=args.seed,
-                                   kernel=args.kernel, inner=args.inner)
+                                   kernel=args.kernel, inner=args.inner, batches=parse_batches(args.batches),
+                                   batch_lengths=batch_lengths, memory_cap=args.memory_cap.strip() or None)
+    compiled = _compiled_methods(args, settings)
     table = args.table
     if table is None and args.plan is None:
         cached = default_table_path(args.model)
@@ -122,9 +125,32 @@ def cmd_decode(args: argparse.Namespace) -> int:
         else:
             print(f"moend bench decode: no table at {cached}: the MoENDCache rows use the uniform plan "
                   f"{args.uniform} (run `moend calibrate` for the solver's plan)", file=sys.stderr)
-    md, files, _ = bench_decode_section(args.model, settings, table_path=table, plan_path=args.plan,
-                                        out=Path(args.out) / "decode", progress=not args.no_progress)
+    out = Path(args.out) / "decode"
+    md, files, result = bench_decode_section(args.model, settings, table_path=table, plan_path=args.plan,
+                                             out=out, progress=not args.no_progress)
+    if compiled:
+        import torch
+
+        from moend_fx.bench.compile_time import bench_compile_times
+        from moend_fx.bench.decode import markdown_table, write_decode
+
+        result["compile_times"] = bench_compile_times(args.model, settings, length=min(settings.lengths),
+                                                      methods=compiled, table=table, plan=args.plan,
+                                                      threads=torch.get_num_threads())
+        md, files = markdown_table(result), write_decode(result, out)
     return _publish(args, "decode", md, files)
+
+
+def _compiled_methods(args: argparse.Namespace, settings: Any) -> tuple[str, ...]:
+    """With --compile-times: the compiled methods of --methods (checked before the long run), else ()."""
+    if not args.compile_times:
+        return ()
+    from moend_fx.bench.compile_time import COMPILED
+
+    compiled = tuple(m for m in settings.methods if m in COMPILED)
+    if not compiled:
+        raise MoendError(f"--compile-times needs a compiled method in --methods; allowed: {', '.join(COMPILED)}")
+    return compiled
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
@@ -182,7 +208,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = EvalConfig(tasks=tuple(csv_list(args.tasks)), lengths=int_list(args.lengths, "--lengths"), n=args.n,
                      budgets=tuple(csv_list(args.budgets)), methods=tuple(csv_list(args.methods)),
                      settings=tuple(csv_list(args.settings)), max_new_tokens=args.max_new_tokens)
-    md, files = bench_eval_section(args.model, _cached_table(args), cfg, out=Path(args.out) / "eval",
+    md, files = bench_eval_section(args.model, args.table, cfg, out=Path(args.out) / "eval",
                                    progress=not args.no_progress)
     return _publish(args, "eval", md, files)
 

@@ -71,6 +71,11 @@ def test_eval_refuses_a_stale_default_table(tmp_path, monkeypatch, capsys):
     table = dataclasses.replace(table, calibration={**table.calibration, "scorer_options": {"pooling": "none"}})
     monkeypatch.setenv("MOEND_CACHE", str(tmp_path / "cache"))
     table.save(default_table_path(str(folder)))  # where `moend eval` looks by default
-    assert main(["eval", "--model", str(folder), "--n", "1", "--out", str(tmp_path / "out")]) == 2
+    assert main(["eval", "--model", str(folder), "--n", "1", "--settings", "query_agnostic",
+                 "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "scorer options" in err and "moend calibrate" in err and "Traceback" not in err
+    # the query-aware setting reads its own table (scorer snapkv_trig), which is not there: named, with the fix
+    assert main(["eval", "--model", str(folder), "--n", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "snapkv_trig-2048" in err and "moend calibrate --setting query_aware" in err
