@@ -33,7 +33,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
