@@ -293,7 +293,7 @@ def real_passkey_records():
     grid = Grid()
     # The lossless plan reads no sensitivities: a placeholder table (all ones) carries the fingerprint.
     table = SensitivityTable(np.ones((fp.num_layers, len(grid))), grid, fp)
-    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=20, methods=("full", "lossless"),
+    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=10, methods=("full", "lossless"),  # n: suite time
                      settings=("query_aware",), max_new_tokens=12)
     res = Runner(model, tok, table, cfg, progress=False).run()
     return {m: [r for r in res.records if r["method"] == m] for m in ("full", "lossless")}
