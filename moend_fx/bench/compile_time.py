@@ -28,12 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moend_fx.bench.child import child_main
 from moend_fx.bench.decode_settings import DecodeBenchSettings
 from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
@@ -128,17 +128,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child_main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        row = run_child(spec)
-    except MoendError as e:  # reported by the parent in the row
-        row = {"error": str(e)}
-    except Exception as e:  # a backend that fails to compile is a result to report, as in the decode rows
-        traceback.print_exc()
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        row = {"error": f"{type(e).__name__}: {first[:300]}"}
-    atomic_write_text(spec["result"], json.dumps(row, indent=1) + "\n")
-    return 0 if "error" not in row else 2
+    return child_main(spec_path, run_child, any_error=True)  # a failed compile is a row, as decode rows are
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from moend_fx.bench.child import child_main
 from moend_fx.bench.decode_settings import DEFAULT_UNIFORM
 from moend_fx.bench.probes import cache_nbytes, peak_rss_bytes, release_memory, reset_peak_rss, rss_bytes
 from moend_fx.common.checks import check_int, check_names
@@ -286,13 +287,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child_main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        row = run_child(spec)
-    except MoendError as e:  # reported by the parent as one line
-        row = {"error": str(e)}
-    atomic_write_text(spec["result"], json.dumps(row, indent=1) + "\n")
-    return 0 if "error" not in row else 2
+    return child_main(spec_path, run_child)
 
 
 if __name__ == "__main__":
