@@ -44,6 +44,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("proxy", "Calibration proxy vs end-to-end KL", "moend bench proxy",
                 "Does the sensitivity table predict quality? Predicted loss (sum of S over layers) against the "
                 "measured KL of next-token distributions vs the full cache, and the per-layer spread of S."),
+    SectionSpec("search", "Measured plan search: is greedy end-to-end optimal?", "moend bench search",
+                "Greedy and exact plans against the best plan an Optuna search finds on measured continuation KL "
+                "around them, under the same byte budget, re-measured on held-out sequences."),
     SectionSpec("calibrate", "Calibration time", "moend bench calibrate",
                 "Wall time to measure the sensitivity table S[layer, config]."),
     SectionSpec("kernels", "Decode attention kernels", "moend bench kernels",

@@ -18,6 +18,7 @@ from moend_fx.common.errors import MoendError
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "moend_fx.cli.calibrate",
     "moend_fx.cli.solve",
+    "moend_fx.cli.search",
     "moend_fx.cli.evaluate",
     "moend_fx.cli.generate",
     "moend_fx.cli.bench",

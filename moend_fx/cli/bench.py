@@ -22,9 +22,11 @@ from moend_fx.cli.bench_commands import (
     cmd_kernels,
     cmd_prefill,
     cmd_proxy,
+    cmd_search,
     cmd_solvers,
     command_line,
 )
+from moend_fx.cli.search import add_measured_args
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
 from moend_fx.common.options import InnerCompiler, Kernel
 
@@ -78,7 +80,7 @@ def register(subparsers: Any) -> None:
     uniform = dec.uniform
 
     b = subparsers.add_parser("bench",
-                              help="benchmarks: decode, prefill, eval, solvers, proxy, calibrate, kernels, all",
+                              help="benchmarks: decode, prefill, eval, solvers, proxy, search, calibrate, kernels, all",
                               description="Each benchmark writes JSON + Markdown (+ PNG) under --out and "
                                           "updates its section of docs/results.md.")
     sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -175,6 +177,16 @@ def register(subparsers: Any) -> None:
                    help="context tokens each (default %(default)s)")
     x.add_argument("--plans", type=positive_int, default=proxy.random_plans, help="random plans (default %(default)s)")
     _common(x, cmd_proxy)
+
+    from moend_fx.search import SearchSettings
+
+    r = sub.add_parser("search", help="greedy and exact vs an Optuna search on measured KL, at 8x and 14x",
+                       description="The measured plan search of `moend search`, published as a section.")
+    r.add_argument("--budgets", default="8x,14x", help="comma-separated budgets (default %(default)s)")
+    r.add_argument("--table", default=None, help=f"sensitivity table (default: the cached {DEFAULT_TABLE_HINT})")
+    r.add_argument("--storage", default=None, help="optuna storage (default: OUT/search/study.db)")
+    add_measured_args(r, trials_flag="--trials", trials_default=SearchSettings().trials, runtime=False)
+    _common(r, cmd_search)
 
     a = sub.add_parser("all", help="run every benchmark and rewrite docs/results.md",
                        description="Runs " + ", ".join(KEYS) + " with modest defaults (--quick: smaller).")

@@ -23,6 +23,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "prefill": [],
     "eval": [],
     "proxy": [],
+    "search": [],
 }
 QUICK_ARGS: dict[str, list[str]] = {
     "solvers": ["--repeats", "5"],
@@ -32,6 +33,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "prefill": ["--length", "1024", "--chunk", "256"],
     "eval": ["--n", "2", "--lengths", "1024"],
     "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
+    "search": ["--budgets", "8x", "--trials", "4", "--tokens", "512", "--sequences", "2", "--check", "1"],
 }
 # --doc and --no-progress change where results are published and what is printed, not the figures.
 _NOT_IN_COMMAND = ("help", "doc", "no_progress")
@@ -222,6 +224,18 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     md, files = bench_proxy_section(args.model, _cached_table(args), settings, out=Path(args.out) / "proxy",
                                     progress=not args.no_progress)
     return _publish(args, "proxy", md, files)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from moend_fx.cli.search import run_measured
+    from moend_fx.search import report
+
+    _threads(args)
+    out = Path(args.out) / "search"
+    result = run_measured(args, csv_list(args.budgets), str(out))
+    paths = report.write(result["budgets"], result["text"], result["points"], out)
+    return _publish(args, "search", report.markdown(result["budgets"], result["text"]),
+                    {"json": paths["json"], "markdown": paths["md"], "png": paths["png"]})
 
 
 def cmd_all(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import load_table, table_context_length
 from moend_fx.cli.args import csv_list, int_list, names
+from moend_fx.cli.search import add_measured_args
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_TOKENS
 from moend_fx.common.errors import MoendError
@@ -89,6 +90,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from moend_fx.solvers.compare import compare_solvers, markdown_table, write_comparison
 
+    if args.search_trials and args.table.startswith("synthetic:"):
+        raise MoendError("--measured-trials needs a calibrated table file for --model (a synthetic table has no "
+                         "model to measure on)")
     table = load_table(args.table)
     ctx = _context(args, table)
     budgets = csv_list(args.budgets)
@@ -100,8 +104,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
                              log=lambda s: print(s, file=sys.stderr))
     paths = write_comparison(result, args.out)
     print(markdown_table(result))
+    if args.search_trials:
+        paths.update(_measured(args, budgets))
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
+
+
+def _measured(args: argparse.Namespace, budgets: list[str]) -> dict[str, Any]:
+    """``--measured-trials N``: greedy, exact and the plan a measured search finds at each budget, re-measured
+    on held-out sequences; written as measured.json / .md / .png beside the comparison."""
+    from moend_fx.cli.search import run_measured
+    from moend_fx.search import report
+
+    result = run_measured(args, budgets, args.out)
+    print(report.markdown(result["budgets"], result["text"]), end="")
+    paths = report.write(result["budgets"], result["text"], result["points"], args.out, stem="measured")
+    return {f"measured_{k}": v for k, v in paths.items()}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -134,4 +152,5 @@ def register(subparsers: Any) -> None:
     c.add_argument("--budgets", default="4x,8x,14x", help="comma-separated budgets (default 4x,8x,14x)")
     c.add_argument("--trials", default="200,2000", help="comma-separated optuna trial counts ('' for none)")
     c.add_argument("--out", required=True, help="output folder for compare.json / .md / .png")
+    add_measured_args(c, trials_flag="--measured-trials", trials_default=0)
     c.set_defaults(func=cmd_compare)

@@ -190,12 +190,14 @@ class HeldOutSequence:
         with torch.no_grad(), cap:
             model_body(model)(input_ids=ids[None, :context].to(device), use_cache=False)
         self.layers = [cap.pop(l) for l in range(table.num_layers)]
-        rope = rope_from_model(model) if scorer_name == ScorerName.TRIG else None
+        # Built as calibration builds it (build_scorer takes what each scorer needs: trig and snapkv_trig the
+        # RoPE and the calibrated statistics, snapkv its default observation window).
+        rope = rope_from_model(model)
         self.scores: list[torch.Tensor] = []
         with torch.no_grad():
             for l, c in enumerate(self.layers):
-                stats = table.layer_stats(l) if (scorer_name == ScorerName.TRIG and table.has_stats()) else None
-                scorer = build_scorer(scorer_name, rope, stats, window)
+                stats = table.layer_stats(l) if table.has_stats() else None
+                scorer = build_scorer(scorer_name, rope, stats)
                 b, hkv, t, _ = c.keys.shape
                 kp = c.key_positions[:, None, :].expand(b, hkv, t)
                 self.scores.append(scorer.score(c.keys, c.values, queries=c.queries, key_positions=kp,

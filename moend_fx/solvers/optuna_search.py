@@ -56,7 +56,7 @@ SPACES: tuple[str, ...] = tuple(str(s) for s in Space)
 REPAIRS: tuple[str, ...] = tuple(str(s) for s in Repair)
 
 
-def _make_sampler(name: str, seed: int | None) -> Any:
+def make_sampler(name: str, seed: int | None) -> Any:
     """Constraint-aware samplers read ``trial.set_constraint`` values (Optuna >= 5 replaced ``constraints_func``
     with it); the others see only the penalised objective."""
     import optuna
@@ -159,7 +159,7 @@ class OptunaSolver(Solver):
         """The study (created or joined), refusing one that was made for another problem."""
         import optuna
 
-        study = optuna.create_study(storage=storage, sampler=_make_sampler(self.sampler, self.seed),
+        study = optuna.create_study(storage=storage, sampler=make_sampler(self.sampler, self.seed),
                                     study_name=self.study_name or f"moend-{key}", direction="minimize",
                                     load_if_exists=True)
         known = study.user_attrs.get("problem")

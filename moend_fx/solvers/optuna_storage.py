@@ -27,8 +27,24 @@ def problem_key(S: np.ndarray, B: np.ndarray, budget: int, space: str) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_storage(storage: Any, tmpdir: str | None) -> tuple[Any, str]:
-    """(what ``optuna.create_study`` takes, a description). See the module docstring for accepted forms."""
+def storage_error(desc: str, e: BaseException, lock_timeout: float | None = None) -> MoendError:
+    """A one-line error for a storage that cannot be read: locked, corrupted or unreachable (SQLAlchemy's own
+    messages run over several lines and end in a URL)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    low = first.lower()
+    if "locked" in low or "busy" in low:
+        waited = f" (waited {lock_timeout:g} s)" if lock_timeout is not None else ""
+        return MoendError(f"optuna storage {desc!r} is locked by another process{waited}; wait for it, or raise "
+                          "--lock-timeout")
+    if isinstance(e, (ValueError, KeyError)) or "not a database" in low or "malformed" in low:
+        return MoendError(f"optuna storage {desc!r} is corrupted or not an optuna storage ({first}); move it "
+                          "away and start a new study")
+    return MoendError(f"optuna storage {desc!r} cannot be used: {first}")
+
+
+def resolve_storage(storage: Any, tmpdir: str | None, lock_timeout: float = 120.0) -> tuple[Any, str]:
+    """(what ``optuna.create_study`` takes, a description). See the module docstring for accepted forms.
+    lock_timeout: seconds an SQLite writer waits for another process's lock before failing."""
     import optuna
 
     if storage is None:
@@ -46,22 +62,25 @@ def resolve_storage(storage: Any, tmpdir: str | None) -> tuple[Any, str]:
         kw: dict[str, Any] = {}
         if s.startswith("sqlite"):
             # Several processes write one SQLite file: wait for the lock instead of failing at once.
-            kw["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+            kw["engine_kwargs"] = {"connect_args": {"timeout": lock_timeout}}
         for attempt in range(_OPEN_ATTEMPTS):
             try:
                 return optuna.storages.RDBStorage(s, **kw), _redact(s)
             except Exception as e:  # bad dialect, unreachable server, missing driver, schema race...
                 # Workers that start together race to create the schema; the loser sees an integrity error
                 # and succeeds on retry once the winner is done.
-                if attempt == _OPEN_ATTEMPTS - 1:
-                    raise MoendError(f"optuna storage {_redact(s)!r} cannot be opened: {e}") from None
+                if attempt == _OPEN_ATTEMPTS - 1 or "locked" in str(e):
+                    raise storage_error(_redact(s), e, lock_timeout) from None
                 time.sleep(0.2 * (attempt + 1))
     path = Path(s)
     if path.suffix in _RDB_SUFFIXES:
-        return resolve_storage(f"sqlite:///{path.resolve()}", None)
+        return resolve_storage(f"sqlite:///{path.resolve()}", None, lock_timeout)
     path.parent.mkdir(parents=True, exist_ok=True)
-    backend = optuna.storages.journal.JournalFileBackend(str(path))
-    return optuna.storages.JournalStorage(backend), f"journal:{path}"
+    try:  # the journal is replayed here: a torn or foreign file fails now
+        backend = optuna.storages.journal.JournalFileBackend(str(path))
+        return optuna.storages.JournalStorage(backend), f"journal:{path}"
+    except Exception as e:
+        raise storage_error(f"journal:{path}", e, lock_timeout) from None
 
 
 def _redact(url: str) -> str:

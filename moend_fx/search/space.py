@@ -1,0 +1,82 @@
+"""Where a measured search looks: per-layer moves on the grid around the solvers' plans.
+
+The table ranks a layer's configs by predicted loss; where it mis-ranks, the fix is a different config of
+about the same bytes on that layer, or bytes moved from one layer to another. So each layer's candidates are
+the configs within ``radius`` places (in the layer's order by bytes, then S) of any seed plan's config on that
+layer: a categorical parameter per layer (``l00``, ``l01``...), small enough for TPE to learn. A proposal over
+budget is stepped down by bytes alone (:func:`moend_fx.solvers.optuna_search.repair_by_bytes`, never looking
+at S or the measurement), so every measured plan is within the budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moend_fx.common.checks import check_int
+from moend_fx.solvers.optuna_search import repair_by_bytes
+
+
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The search space. candidates[l]: the config indices layer l may take (sorted by bytes); ranks: [L, C]
+    each layer's configs sorted by (bytes, S, index); pos_of: [L, C] its inverse; B: [L, C] bytes."""
+
+    candidates: tuple[tuple[int, ...], ...]
+    ranks: np.ndarray
+    pos_of: np.ndarray
+    B: np.ndarray
+    budget: int
+    radius: int
+
+    @classmethod
+    def around(cls, seeds: Sequence[Sequence[int]], S: np.ndarray, B: np.ndarray, budget: int, radius: int,
+               ) -> Neighbourhood:
+        """seeds: plans (config indices [L] each) to search around. S: [L, C] predicted loss; B: [L, C] bytes."""
+        check_int("radius", radius, minimum=0)
+        L, C = S.shape
+        ranks = np.stack([np.lexsort((np.arange(C), S[l], B[l])) for l in range(L)])
+        pos_of = np.argsort(ranks, axis=1)
+        cands = []
+        for l in range(L):
+            pos: set[int] = set()
+            for seed in seeds:
+                p = int(pos_of[l, int(seed[l])])
+                pos.update(range(max(0, p - radius), min(C, p + radius + 1)))
+            cands.append(tuple(int(ranks[l, p]) for p in sorted(pos)))
+        return cls(tuple(cands), ranks, pos_of, np.asarray(B, dtype=np.int64), int(budget), int(radius))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"l{l:02d}" for l in range(len(self.candidates)))
+
+    @property
+    def size(self) -> float:
+        """Number of plans in the space (before repair), as a float (it overflows int64 quickly)."""
+        return float(np.prod([float(len(c)) for c in self.candidates]))
+
+    def key(self) -> str:
+        """Part of a study's problem key: a study must not be fed trials of another space."""
+        h = hashlib.sha256(repr((self.candidates, self.budget)).encode())
+        h.update(np.ascontiguousarray(self.B).tobytes())
+        return h.hexdigest()[:16]
+
+    def propose(self, trial: Any) -> np.ndarray:
+        """[L] config indices of the trial's proposal, repaired to fit the budget."""
+        idx = np.array([trial.suggest_categorical(n, list(c)) for n, c in zip(self.names, self.candidates)])
+        return self.repair(idx)
+
+    def repair(self, idx: np.ndarray) -> np.ndarray:
+        """idx: [L] config indices; the same plan stepped down by bytes until it fits."""
+        return repair_by_bytes(np.asarray(idx), self.ranks, self.pos_of, self.B, self.budget)
+
+    def params(self, idx: Sequence[int]) -> dict[str, int]:
+        """The trial parameters proposing ``idx`` [L] (a seed plan, to enqueue)."""
+        return {n: int(i) for n, i in zip(self.names, idx)}
+
+    def bytes_of(self, idx: Sequence[int]) -> int:
+        return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())
