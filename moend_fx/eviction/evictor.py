@@ -154,8 +154,8 @@ class Evictor:
             # by the ratio, whole groups only while a whole group is over it (held stays < G over the ratio)
             drop = (n - int(targets.max())) // self.group_size
             targets = None if drop == 0 else torch.full_like(targets, n - drop * self.group_size)
-        if targets is None:
-            return self._after(self._pack(kv, lmask) if dense else kv, logical)
+        if targets is None:  # a packed layer that evicted nothing keeps its countdown (_over_cap set it)
+            return self._after(self._pack(kv, lmask), logical) if dense else kv
         if groups and self._by_groups(kv, int(targets.max())):
             out = self._evict_groups(kv, pos, real, int(targets.max()))
         else:
