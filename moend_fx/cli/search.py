@@ -25,7 +25,7 @@ def settings_from_args(args: argparse.Namespace, budget: str) -> Any:
     text = HeldOutText(search=args.sequences, check=args.check, tokens=args.tokens,
                        continuation=args.continuation, seed=args.text_seed)
     sampler = args.sampler or ("nsga2" if args.objectives == "kl_bytes" else "tpe")
-    return SearchSettings(budget=budget, trials=args.search_trials, radius=args.radius,
+    return SearchSettings(budget=budget, trials=args.search_trials, radius=args.radius, space=args.space,
                           objectives=args.objectives, sampler=sampler, seed=args.seed, text=text,
                           lock_timeout=args.lock_timeout)
 
@@ -72,7 +72,7 @@ def add_measured_args(p: argparse.ArgumentParser, *, trials_flag: str, trials_de
                       runtime: bool = True) -> None:
     """The options of a measured search (shared with ``compare-solvers --measured-trials`` and ``bench search``;
     ``runtime``: also --threads and --no-progress, which every benchmark has already)."""
-    from moend_fx.search import Objectives, SearchSampler, SearchSettings
+    from moend_fx.search import Objectives, SearchSampler, SearchSettings, SearchSpace
 
     d = SearchSettings()
     p.add_argument(trials_flag, dest="search_trials", type=int, default=trials_default,
@@ -83,6 +83,9 @@ def add_measured_args(p: argparse.ArgumentParser, *, trials_flag: str, trials_de
     p.add_argument("--radius", type=int, default=d.radius,
                    help="each layer may move this many places (by bytes) from a seed plan's config (default "
                         "%(default)s)")
+    p.add_argument("--space", default=str(d.space), choices=names(SearchSpace),
+                   help="moves: a seed plan with two layers moved (an exchange of bytes); layers: every layer "
+                        "within --radius at once (default %(default)s)")
     p.add_argument("--objectives", default=str(d.objectives), choices=names(Objectives),
                    help="kl: the KL under the budget; kl_bytes: a two-objective front (default %(default)s)")
     p.add_argument("--search-sampler", dest="sampler", default=None, choices=names(SearchSampler),

@@ -8,8 +8,16 @@ and its workers), :mod:`~moend_fx.search.report` (greedy vs exact vs searched, h
 """
 
 from moend_fx.search.objective import HeldOutText, MeasuredKL
-from moend_fx.search.space import Neighbourhood
-from moend_fx.search.study import Objectives, Problem, SearchSampler, SearchSettings, open_study, run_worker
+from moend_fx.search.space import Moves, Neighbourhood
+from moend_fx.search.study import (
+    Objectives,
+    Problem,
+    SearchSampler,
+    SearchSettings,
+    SearchSpace,
+    open_study,
+    run_worker,
+)
 
-__all__ = ["HeldOutText", "MeasuredKL", "Neighbourhood", "Objectives", "Problem", "SearchSampler",
-           "SearchSettings", "open_study", "run_worker"]
+__all__ = ["HeldOutText", "MeasuredKL", "Moves", "Neighbourhood", "Objectives", "Problem", "SearchSampler",
+           "SearchSettings", "SearchSpace", "open_study", "run_worker"]

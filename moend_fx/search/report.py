@@ -79,16 +79,22 @@ def summarise(study: Any, problem: Problem, table_configs: tuple[Any, ...], *, h
             row["kl_check_per_sequence"] = held.per_sequence(idx)
             row["kl_check"] = float(np.mean(row["kl_check_per_sequence"]))
         rows.append(row)
+    space = {"kind": type(problem.space).__name__.lower(), "radius": problem.space.radius,
+             "plans": problem.space.size, "candidates_per_layer": [len(c) for c in problem.space.candidates]}
     out = {"budget": budget, "budget_bytes": problem.budget_bytes, "study": study.study_name, "rows": rows,
-           "trials": _trial_stats(study, trials), "space": {"radius": problem.space.radius,
-                                                             "plans": problem.space.size,
-                                                             "candidates_per_layer": [len(c) for c in
-                                                                                      problem.space.candidates]},
-           "front": _front(trials)}
-    g, s = rows[0], rows[-1]
-    out["gain_search"] = paired_gain(g["kl_search_per_sequence"], s["kl_search_per_sequence"])
-    if held is not None:
-        out["gain_check"] = paired_gain(g["kl_check_per_sequence"], s["kl_check_per_sequence"])
+           "trials": _trial_stats(study, trials), "space": space, "front": _front(trials)}
+    by = {r["plan"]: r for r in rows}
+    g = by["greedy"]
+    for name in ("searched", "exact"):
+        r, tag = by[name], "" if name == "searched" else "_exact"
+        out[f"gain{tag}_search"] = paired_gain(g["kl_search_per_sequence"], r["kl_search_per_sequence"])
+        if held is not None:
+            out[f"gain{tag}_check"] = paired_gain(g["kl_check_per_sequence"], r["kl_check_per_sequence"])
+    others = [t for t in trials if t.user_attrs["indices"] != g["indices"]]
+    if others:
+        o = min(others, key=lambda t: float(np.mean(t.user_attrs["kl_per_sequence"])))
+        out["best_other"] = {"trial": o.number, "kl_search": float(np.mean(o.user_attrs["kl_per_sequence"])),
+                             "bytes": o.user_attrs["bytes"]}
     return out
 
 
@@ -109,14 +115,35 @@ def _front(trials: list[Any]) -> list[dict[str, Any]]:
     return [{"trial": trials[i].number, "bytes": pts[i][0], "kl": pts[i][1]} for i in pareto_front(pts)]
 
 
+def _gain_text(g: dict[str, float]) -> str:
+    return f"{g['gain']:+.4f} +- {2 * g['se']:.4f}" + ("" if math.isnan(g["gain_pct"]) else f", {g['gain_pct']:+.1f}%")
+
+
 def _verdict(s: dict[str, Any]) -> str:
-    g = s.get("gain_check", s["gain_search"])
-    where = "held-out" if "gain_check" in s else "search-set"
+    """Plain words: whether any measured plan beat greedy, and whether that survives the held-out check."""
+    rows = {r["plan"]: r for r in s["rows"]}
+    n = s["trials"]["complete"]
+    if rows["searched"]["indices"] == rows["greedy"]["indices"]:
+        other = s.get("best_other")
+        tail = "" if other is None else (f"; the best other plan (trial {other['trial']}) measured "
+                                         f"{other['kl_search']:.4f} vs greedy's {rows['greedy']['kl_search']:.4f}")
+        return f"no plan of the {n} measured beat greedy on the search set{tail}"
+    where, g = ("held-out", s["gain_check"]) if "gain_check" in s else ("search-set", s["gain_search"])
     if g["within_noise"]:
-        return f"greedy is end-to-end optimal within noise ({where} gain {g['gain']:+.4f} +- {2 * g['se']:.4f})"
-    better = "better" if g["gain"] > 0 else "worse"
-    return f"the searched plan is {better} than greedy beyond noise ({where} gain {g['gain']:+.4f} " \
-           f"+- {2 * g['se']:.4f}, {g['gain_pct']:+.1f}%)"
+        return (f"the searched plan beat greedy on the search set ({_gain_text(s['gain_search'])}) but not beyond "
+                f"noise on the {where} sequences ({_gain_text(g)}): greedy is end-to-end optimal within noise")
+    word = "better" if g["gain"] > 0 else "worse"
+    return f"the searched plan is {word} than greedy beyond noise on the {where} sequences ({_gain_text(g)})"
+
+
+def _exact_text(s: dict[str, Any]) -> str:
+    rows = {r["plan"]: r for r in s["rows"]}
+    if rows["exact"]["indices"] == rows["greedy"]["indices"]:
+        return "exact = greedy"
+    g = s.get("gain_exact_check", s["gain_exact_search"])
+    where = "held-out" if "gain_exact_check" in s else "search-set"
+    judged = "within noise" if g["within_noise"] else ("better" if g["gain"] > 0 else "worse") + " beyond noise"
+    return f"exact (lower predicted loss) vs greedy, {where}: {_gain_text(g)} ({judged})"
 
 
 def markdown(summaries: list[dict[str, Any]], text: dict[str, Any]) -> str:
@@ -135,9 +162,10 @@ def markdown(summaries: list[dict[str, Any]], text: dict[str, Any]) -> str:
     lines.append("")
     for s in summaries:
         t = s["trials"]
-        lines.append(f"- {s['budget']}: {_verdict(s)}; {t['complete']} trials ({t['reused']} repeats of a measured "
-                     f"plan, {t['surplus']} surplus), {t['workers']} worker(s), {t['wall_s']:.0f} s wall, "
-                     f"space of {s['space']['plans']:.3g} plans (radius {s['space']['radius']}).")
+        lines.append(f"- {s['budget']}: {_verdict(s)}. {_exact_text(s)}. {t['complete']} trials ({t['reused']} "
+                     f"repeats of a measured plan, {t['surplus']} surplus), {t['workers']} worker(s), "
+                     f"{t['wall_s']:.0f} s wall, space `{s['space']['kind']}` of {s['space']['plans']:.3g} "
+                     f"proposals (radius {s['space']['radius']}).")
     return "\n".join(lines) + "\n"
 
 

@@ -1,11 +1,16 @@
 """Where a measured search looks: per-layer moves on the grid around the solvers' plans.
 
 The table ranks a layer's configs by predicted loss; where it mis-ranks, the fix is a different config of
-about the same bytes on that layer, or bytes moved from one layer to another. So each layer's candidates are
-the configs within ``radius`` places (in the layer's order by bytes, then S) of any seed plan's config on that
-layer: a categorical parameter per layer (``l00``, ``l01``...), small enough for TPE to learn. A proposal over
-budget is stepped down by bytes alone (:func:`moend_fx.solvers.optuna_search.repair_by_bytes`, never looking
-at S or the measurement), so every measured plan is within the budget.
+about the same bytes on that layer, or bytes moved from one layer to another. Both spaces move a layer's config
+by up to ``radius`` places in the layer's order by (bytes, S) from a seed plan's (greedy's or exact's):
+
+- :class:`Moves` (the default): a seed plan with two layers moved, an exchange of bytes between layers; a space
+  small enough for a few hundred trials to cover.
+- :class:`Neighbourhood`: every layer free within its neighbourhood at once (a categorical parameter per layer,
+  ``l00``, ``l01``...): far larger, and most proposals move many layers away from the seed.
+
+A proposal over budget is stepped down by bytes alone (:func:`moend_fx.solvers.optuna_search.repair_by_bytes`,
+never looking at S or the measurement), so every measured plan is within the budget.
 """
 
 from __future__ import annotations
@@ -77,6 +82,76 @@ class Neighbourhood:
     def params(self, idx: Sequence[int]) -> dict[str, int]:
         """The trial parameters proposing ``idx`` [L] (a seed plan, to enqueue)."""
         return {n: int(i) for n, i in zip(self.names, idx)}
+
+    def seed_params(self, name: str, idx: Sequence[int]) -> dict[str, int]:
+        return self.params(idx)
+
+    def bytes_of(self, idx: Sequence[int]) -> int:
+        return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())
+
+
+@dataclass(frozen=True)
+class Moves:
+    """The search space of exchanges: a trial takes one seed plan (``base``) and moves two layers ``a`` and ``b``
+    by ``da`` and ``db`` places (in -radius..radius) in their order by bytes, then is repaired to the budget: one
+    layer given more bytes and another fewer, the move greedy's choices are wrong about if the table mis-ranks
+    them. A small space (2 x L x (2r+1) x L x (2r+1) proposals) a few hundred trials can learn."""
+
+    seeds: dict[str, tuple[int, ...]]
+    ranks: np.ndarray
+    pos_of: np.ndarray
+    B: np.ndarray
+    budget: int
+    radius: int
+
+    @classmethod
+    def around(cls, seeds: dict[str, Sequence[int]], S: np.ndarray, B: np.ndarray, budget: int, radius: int,
+               ) -> Moves:
+        """seeds: name -> plan (config indices [L]). S: [L, C] predicted loss; B: [L, C] bytes."""
+        check_int("radius", radius)
+        L, C = S.shape
+        ranks = np.stack([np.lexsort((np.arange(C), S[l], B[l])) for l in range(L)])
+        return cls({n: tuple(int(i) for i in s) for n, s in seeds.items()}, ranks, np.argsort(ranks, axis=1),
+                   np.asarray(B, dtype=np.int64), int(budget), int(radius))
+
+    @property
+    def num_layers(self) -> int:
+        return self.B.shape[0]
+
+    @property
+    def candidates(self) -> tuple[tuple[int, ...], ...]:
+        """The configs each layer can take in one move from any seed."""
+        C = self.B.shape[1]
+        out = []
+        for l in range(self.num_layers):
+            pos = {int(self.pos_of[l, s[l]]) + d for s in self.seeds.values()
+                   for d in range(-self.radius, self.radius + 1)}
+            out.append(tuple(int(self.ranks[l, p]) for p in sorted(pos) if 0 <= p < C))
+        return tuple(out)
+
+    @property
+    def size(self) -> float:
+        side = float(self.num_layers * (2 * self.radius + 1))
+        return len(self.seeds) * side * side
+
+    def key(self) -> str:
+        h = hashlib.sha256(repr(("moves", sorted(self.seeds.items()), self.radius, self.budget)).encode())
+        h.update(np.ascontiguousarray(self.B).tobytes())
+        return h.hexdigest()[:16]
+
+    def propose(self, trial: Any) -> np.ndarray:
+        """[L] config indices: the trial's base plan with its two moves, repaired to fit the budget."""
+        r, L, C = self.radius, self.num_layers, self.B.shape[1]
+        idx = np.array(self.seeds[trial.suggest_categorical("base", list(self.seeds))])
+        for layer, delta in (("a", "da"), ("b", "db")):
+            l = trial.suggest_int(layer, 0, L - 1)
+            p = int(np.clip(self.pos_of[l, idx[l]] + trial.suggest_int(delta, -r, r), 0, C - 1))
+            idx[l] = self.ranks[l, p]
+        return repair_by_bytes(idx, self.ranks, self.pos_of, self.B, self.budget)
+
+    def seed_params(self, name: str, idx: Sequence[int]) -> dict[str, Any]:
+        """The parameters that propose seed ``name`` unchanged."""
+        return {"base": name, "a": 0, "da": 0, "b": 0, "db": 0}
 
     def bytes_of(self, idx: Sequence[int]) -> int:
         return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())

@@ -27,7 +27,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import option_set
 from moend_fx.plan.memory import parse_budget
 from moend_fx.search.objective import HeldOutText, MeasuredKL
-from moend_fx.search.space import Neighbourhood
+from moend_fx.search.space import Moves, Neighbourhood
 from moend_fx.solvers import get_solver
 from moend_fx.solvers.base import min_feasible_bytes, raise_infeasible
 from moend_fx.solvers.optuna_storage import problem_key, resolve_storage, storage_error
@@ -38,17 +38,22 @@ Objectives = option_set(
 SearchSampler = option_set(
     "SearchSampler", "Optuna samplers of a measured search (NSGA-II for the two-objective front).",
     "tpe", "nsga2", "random", module=__name__)
+SearchSpace = option_set(
+    "SearchSpace", "What a trial changes: two layers of a seed plan (an exchange), or every layer at once.",
+    "moves", "layers", module=__name__)
 SEED_PLANS: tuple[str, ...] = ("greedy", "exact")
 
 
 @dataclass(frozen=True)
 class SearchSettings:
     """A measured search: ``trials`` in the study in all (seed trials included), proposals within ``radius``
-    places of the seed plans on each layer (:class:`Neighbourhood`), at ``budget`` for the text's context."""
+    places of the seed plans (``space``: :class:`Moves`, two layers per trial, or :class:`Neighbourhood`, every
+    layer), at ``budget`` for the text's context."""
 
     budget: str = "14x"
     trials: int = 60
     radius: int = 2
+    space: str = "moves"
     objectives: str = "kl"
     sampler: str = "tpe"
     seed: int = 0
@@ -59,6 +64,7 @@ class SearchSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "objectives", check_choice("objectives", self.objectives, Objectives))
         object.__setattr__(self, "sampler", check_choice("sampler", self.sampler, SearchSampler))
+        object.__setattr__(self, "space", check_choice("space", self.space, SearchSpace))
         check_int("trials", self.trials)
         check_int("radius", self.radius, minimum=0)
         check_int("seed", self.seed, minimum=0)
@@ -79,7 +85,7 @@ class Problem:
     B: np.ndarray
     budget_bytes: int
     seeds: dict[str, tuple[int, ...]]
-    space: Neighbourhood
+    space: Moves | Neighbourhood
 
     @classmethod
     def of(cls, table: SensitivityTable, settings: SearchSettings) -> Problem:
@@ -90,7 +96,10 @@ class Problem:
         if parsed.bytes < min_feasible_bytes(B):
             raise_infeasible(parsed.bytes, min_feasible_bytes(B))
         seeds = {n: tuple(get_solver(n).solve(table, parsed.bytes, context_length=ctx).indices) for n in SEED_PLANS}
-        space = Neighbourhood.around(list(seeds.values()), S, B, parsed.bytes, settings.radius)
+        if settings.space == SearchSpace("moves"):
+            space: Moves | Neighbourhood = Moves.around(seeds, S, B, parsed.bytes, settings.radius)
+        else:
+            space = Neighbourhood.around(list(seeds.values()), S, B, parsed.bytes, settings.radius)
         return cls(S, B, parsed.bytes, seeds, space)
 
     def key(self, settings: SearchSettings) -> str:
@@ -139,7 +148,7 @@ def open_study(storage: Any, name: str | None, problem: Problem, settings: Searc
             for seed_name, idx in problem.seeds.items():
                 if idx not in seen:
                     seen.add(idx)
-                    study.enqueue_trial(problem.space.params(idx), user_attrs={"seed": seed_name})
+                    study.enqueue_trial(problem.space.seed_params(seed_name, idx), user_attrs={"seed": seed_name})
             study.set_user_attr("seeded", True)
         else:
             _wait_seeded(study, name, desc, key, settings.join_timeout)

@@ -45,7 +45,25 @@ def test_summary_rows_check_set_and_files(tmp_path):
     assert summ["trials"]["complete"] == 8 and summ["front"]
     text = {**helpers.TEXT.to_dict(), "source": source}
     md = report.markdown([summ], text)
-    assert "| 5x | greedy | 0 |" in md and ("within noise" in md or "beyond noise" in md)
+    assert "| 5x | greedy | 0 |" in md and "beat greedy" in md
     paths = report.write([summ], text, {s.budget: report.trial_points(study)}, tmp_path)
     assert json.loads(paths["json"].read_text())["budgets"][0]["rows"][0]["plan"] == "greedy"
     assert paths["png"].stat().st_size > 0
+
+
+def _summary(greedy, searched, check_g, check_s, same=False):
+    rows = [{"plan": "greedy", "indices": [0, 0], "kl_search": sum(greedy) / len(greedy)},
+            {"plan": "exact", "indices": [0, 0], "kl_search": 0.0},
+            {"plan": "searched", "indices": [0, 0] if same else [1, 0], "kl_search": sum(searched) / len(searched)}]
+    return {"rows": rows, "trials": {"complete": 50}, "gain_search": report.paired_gain(greedy, searched),
+            "gain_check": report.paired_gain(check_g, check_s), "best_other": {"trial": 7, "kl_search": 0.31}}
+
+
+def test_the_verdict_says_what_was_found_in_plain_words():
+    g = [0.30, 0.32, 0.28, 0.31]
+    assert report._verdict(_summary(g, g, g, g, same=True)).startswith("no plan of the 50 measured beat greedy")
+    lower = [x - 0.05 for x in g]
+    noisy = [0.31, 0.30, 0.30, 0.29]
+    v = report._verdict(_summary(g, lower, g, noisy))
+    assert "but not beyond noise on the held-out" in v and "greedy is end-to-end optimal within noise" in v
+    assert "better than greedy beyond noise on the held-out" in report._verdict(_summary(g, lower, g, lower))

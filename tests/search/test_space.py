@@ -49,3 +49,32 @@ def test_radius_zero_is_the_seeds_only_and_params_round_trip():
     assert np.array_equal(space.propose(trial), g)
     assert space.size == float(np.prod([len(c) for c in space.candidates]))
     assert space.key() != Neighbourhood.around([g], S, B, budget, 0).key()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), a=st.integers(0, 4), b=st.integers(0, 4), da=st.integers(-2, 2),
+       db=st.integers(-2, 2))
+def test_a_move_changes_at_most_two_layers_then_fits(seed, a, b, da, db):
+    from moend_fx.search.space import Moves
+
+    S, B = _arrays(seed)
+    budget = int(B.mean(axis=1).sum())
+    g, _ = greedy_indices(S, B, budget)
+    space = Moves.around({"greedy": g}, S, B, budget, 2)
+    assert np.array_equal(space.propose(optuna.trial.FixedTrial(space.seed_params("greedy", g))), g)
+    idx = space.propose(optuna.trial.FixedTrial({"base": "greedy", "a": a, "da": da, "b": b, "db": db}))
+    assert space.bytes_of(idx) <= budget
+    moved = [l for l in range(len(g)) if idx[l] != g[l]]
+    # at most the two moved layers change, unless the repair had to step layers down to fit
+    if space.bytes_of(idx) == space.bytes_of(_moved(space, g, a, da, b, db)):
+        assert set(moved) <= {a, b}
+    for l in (a, b):
+        assert int(idx[l]) in space.candidates[l] or space.pos_of[l, idx[l]] < space.pos_of[l, g[l]] - 2
+
+
+def _moved(space, g, a, da, b, db):
+    idx = np.array(g)
+    C = space.B.shape[1]
+    for l, d in ((a, da), (b, db)):
+        idx[l] = space.ranks[l, int(np.clip(space.pos_of[l, idx[l]] + d, 0, C - 1))]
+    return idx
