@@ -26,26 +26,50 @@ from moend_fx.common.checks import check_int
 from moend_fx.solvers.optuna_search import repair_by_bytes
 
 
-@dataclass(frozen=True)
-class Neighbourhood:
-    """The search space. candidates[l]: the config indices layer l may take (sorted by bytes); ranks: [L, C]
-    each layer's configs sorted by (bytes, S, index); pos_of: [L, C] its inverse; B: [L, C] bytes."""
+def byte_order(S: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks [L, C]: each layer's configs sorted by (bytes, S, index), pos_of [L, C]: its inverse). S, B: [L, C]."""
+    L, C = S.shape
+    ranks = np.stack([np.lexsort((np.arange(C), S[l], B[l])) for l in range(L)])
+    return ranks, np.argsort(ranks, axis=1)
 
-    candidates: tuple[tuple[int, ...], ...]
+
+@dataclass(frozen=True)
+class _ByteSpace:
+    """What both spaces share: each layer's byte order (:func:`byte_order`), the bytes B [L, C], the budget
+    every proposal is repaired to and the radius of a move."""
+
     ranks: np.ndarray
     pos_of: np.ndarray
     B: np.ndarray
     budget: int
     radius: int
 
+    def repair(self, idx: np.ndarray) -> np.ndarray:
+        """idx: [L] config indices; the same plan stepped down by bytes until it fits."""
+        return repair_by_bytes(np.asarray(idx), self.ranks, self.pos_of, self.B, self.budget)
+
+    def bytes_of(self, idx: Sequence[int]) -> int:
+        return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())
+
+    def _hash(self, what: Any) -> str:
+        h = hashlib.sha256(repr((what, self.radius, self.budget)).encode())
+        h.update(np.ascontiguousarray(self.B).tobytes())
+        return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Neighbourhood(_ByteSpace):
+    """Every layer free at once. candidates[l]: the config indices layer l may take (in its byte order)."""
+
+    candidates: tuple[tuple[int, ...], ...] = ()
+
     @classmethod
     def around(cls, seeds: Sequence[Sequence[int]], S: np.ndarray, B: np.ndarray, budget: int, radius: int,
                ) -> Neighbourhood:
         """seeds: plans (config indices [L] each) to search around. S: [L, C] predicted loss; B: [L, C] bytes."""
         check_int("radius", radius, minimum=0)
+        ranks, pos_of = byte_order(S, B)
         L, C = S.shape
-        ranks = np.stack([np.lexsort((np.arange(C), S[l], B[l])) for l in range(L)])
-        pos_of = np.argsort(ranks, axis=1)
         cands = []
         for l in range(L):
             pos: set[int] = set()
@@ -53,7 +77,7 @@ class Neighbourhood:
                 p = int(pos_of[l, int(seed[l])])
                 pos.update(range(max(0, p - radius), min(C, p + radius + 1)))
             cands.append(tuple(int(ranks[l, p]) for p in sorted(pos)))
-        return cls(tuple(cands), ranks, pos_of, np.asarray(B, dtype=np.int64), int(budget), int(radius))
+        return cls(ranks, pos_of, np.asarray(B, dtype=np.int64), int(budget), int(radius), tuple(cands))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -66,18 +90,12 @@ class Neighbourhood:
 
     def key(self) -> str:
         """Part of a study's problem key: a study must not be fed trials of another space."""
-        h = hashlib.sha256(repr((self.candidates, self.budget)).encode())
-        h.update(np.ascontiguousarray(self.B).tobytes())
-        return h.hexdigest()[:16]
+        return self._hash(self.candidates)
 
     def propose(self, trial: Any) -> np.ndarray:
         """[L] config indices of the trial's proposal, repaired to fit the budget."""
         idx = np.array([trial.suggest_categorical(n, list(c)) for n, c in zip(self.names, self.candidates)])
         return self.repair(idx)
-
-    def repair(self, idx: np.ndarray) -> np.ndarray:
-        """idx: [L] config indices; the same plan stepped down by bytes until it fits."""
-        return repair_by_bytes(np.asarray(idx), self.ranks, self.pos_of, self.B, self.budget)
 
     def params(self, idx: Sequence[int]) -> dict[str, int]:
         """The trial parameters proposing ``idx`` [L] (a seed plan, to enqueue)."""
@@ -86,33 +104,28 @@ class Neighbourhood:
     def seed_params(self, name: str, idx: Sequence[int]) -> dict[str, int]:
         return self.params(idx)
 
-    def bytes_of(self, idx: Sequence[int]) -> int:
-        return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())
-
 
 @dataclass(frozen=True)
-class Moves:
+class Moves(_ByteSpace):
     """The search space of exchanges: a trial takes one seed plan (``base``) and moves two layers ``a`` and ``b``
-    by ``da`` and ``db`` places (in -radius..radius) in their order by bytes, then is repaired to the budget: one
+    by ``da`` and ``db`` places (in -radius..radius) in their byte order, then is repaired to the budget: one
     layer given more bytes and another fewer, the move greedy's choices are wrong about if the table mis-ranks
-    them. A small space (2 x L x (2r+1) x L x (2r+1) proposals) a few hundred trials can learn."""
+    them. A small space (seeds x L x (2r+1) x L x (2r+1) proposals) a few hundred trials can learn."""
 
-    seeds: dict[str, tuple[int, ...]]
-    ranks: np.ndarray
-    pos_of: np.ndarray
-    B: np.ndarray
-    budget: int
-    radius: int
+    seeds: dict[str, tuple[int, ...]] | None = None
 
     @classmethod
     def around(cls, seeds: dict[str, Sequence[int]], S: np.ndarray, B: np.ndarray, budget: int, radius: int,
                ) -> Moves:
         """seeds: name -> plan (config indices [L]). S: [L, C] predicted loss; B: [L, C] bytes."""
         check_int("radius", radius)
-        L, C = S.shape
-        ranks = np.stack([np.lexsort((np.arange(C), S[l], B[l])) for l in range(L)])
-        return cls({n: tuple(int(i) for i in s) for n, s in seeds.items()}, ranks, np.argsort(ranks, axis=1),
-                   np.asarray(B, dtype=np.int64), int(budget), int(radius))
+        ranks, pos_of = byte_order(S, B)
+        return cls(ranks, pos_of, np.asarray(B, dtype=np.int64), int(budget), int(radius),
+                   {n: tuple(int(i) for i in s) for n, s in seeds.items()})
+
+    @property
+    def plans(self) -> dict[str, tuple[int, ...]]:
+        return self.seeds or {}
 
     @property
     def num_layers(self) -> int:
@@ -124,7 +137,7 @@ class Moves:
         C = self.B.shape[1]
         out = []
         for l in range(self.num_layers):
-            pos = {int(self.pos_of[l, s[l]]) + d for s in self.seeds.values()
+            pos = {int(self.pos_of[l, s[l]]) + d for s in self.plans.values()
                    for d in range(-self.radius, self.radius + 1)}
             out.append(tuple(int(self.ranks[l, p]) for p in sorted(pos) if 0 <= p < C))
         return tuple(out)
@@ -132,26 +145,21 @@ class Moves:
     @property
     def size(self) -> float:
         side = float(self.num_layers * (2 * self.radius + 1))
-        return len(self.seeds) * side * side
+        return len(self.plans) * side * side
 
     def key(self) -> str:
-        h = hashlib.sha256(repr(("moves", sorted(self.seeds.items()), self.radius, self.budget)).encode())
-        h.update(np.ascontiguousarray(self.B).tobytes())
-        return h.hexdigest()[:16]
+        return self._hash(("moves", sorted(self.plans.items())))
 
     def propose(self, trial: Any) -> np.ndarray:
         """[L] config indices: the trial's base plan with its two moves, repaired to fit the budget."""
         r, L, C = self.radius, self.num_layers, self.B.shape[1]
-        idx = np.array(self.seeds[trial.suggest_categorical("base", list(self.seeds))])
+        idx = np.array(self.plans[trial.suggest_categorical("base", list(self.plans))])
         for layer, delta in (("a", "da"), ("b", "db")):
             l = trial.suggest_int(layer, 0, L - 1)
             p = int(np.clip(self.pos_of[l, idx[l]] + trial.suggest_int(delta, -r, r), 0, C - 1))
             idx[l] = self.ranks[l, p]
-        return repair_by_bytes(idx, self.ranks, self.pos_of, self.B, self.budget)
+        return self.repair(idx)
 
     def seed_params(self, name: str, idx: Sequence[int]) -> dict[str, Any]:
         """The parameters that propose seed ``name`` unchanged."""
         return {"base": name, "a": 0, "da": 0, "b": 0, "db": 0}
-
-    def bytes_of(self, idx: Sequence[int]) -> int:
-        return int(self.B[np.arange(self.B.shape[0]), np.asarray(idx, dtype=np.int64)].sum())
