@@ -14,6 +14,7 @@ graph, and logs / dumps the graph before and after (``passes.debug``). The other
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,18 +40,31 @@ PASSES: tuple[Pass, ...] = (
 _READ_ONLY: frozenset[Pass] = frozenset({find_attention, validate_plan})
 
 
+# Wall seconds each pass (with its clean-up) has taken in this process, summed over graphs: what the backend
+# itself adds to a compile, read by the compile-time benchmark (``pass_seconds``).
+_SECONDS: dict[str, float] = {}
+
+
+def pass_seconds() -> dict[str, float]:
+    """{pass name: seconds} spent in :func:`run_passes` in this process so far."""
+    return dict(_SECONDS)
+
+
 def run_passes(gm: fx.GraphModule, settings: BackendSettings | None,
                passes: tuple[Pass, ...] = PASSES) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``; returns the rewritten graph module."""
     debug_dir = getattr(settings, "debug_dir", None)
     dump_graph(gm, "before", debug_dir)
     for pass_ in passes:
+        t0 = time.perf_counter()
         gm = pass_(gm, settings)
         if pass_ not in _READ_ONLY:
             gm = cleanup(gm)
+        _SECONDS[pass_.__name__] = _SECONDS.get(pass_.__name__, 0.0) + time.perf_counter() - t0
         log.debug("moend: ran pass %s", pass_.__name__)
     dump_graph(gm, "after", debug_dir)
     return gm
 
 
-__all__ = ["PASSES", "cleanup", "find_attention", "fuse_quantized_attention", "run_passes", "validate_plan"]
+__all__ = ["PASSES", "cleanup", "find_attention", "fuse_quantized_attention", "pass_seconds", "run_passes",
+           "validate_plan"]

@@ -119,7 +119,9 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         run.decode_steps(model, cache, tok, 1 + spec["steps"], times)
     run.teardown_model(model)
     steady = statistics.median(times[1:])
-    return {"tokens": n, "first_step_s": times[0], "steady_step_s": steady,
+    from moend_fx.passes import pass_seconds
+
+    return {"tokens": n, "first_step_s": times[0], "steady_step_s": steady, "passes_s": pass_seconds(),
             "compile_s": sum(max(0.0, t - steady) for t in times),
             "step_s": times, "graphs": int(counters["stats"]["unique_graphs"]),
             "inductor_counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},

@@ -43,6 +43,9 @@ def test_child_in_this_process(folder, tmp_path):
     assert row["steady_step_s"] == statistics.median(row["step_s"][1:])
     assert row["compile_s"] == pytest.approx(sum(max(0.0, t - row["steady_step_s"]) for t in row["step_s"]))
     assert row["first_step_s"] == row["step_s"][0] and row["threads"] == 1
+    # what the backend's own passes took, per pass (this process's total: the compile above ran them)
+    assert {"find_attention", "validate_plan", "fuse_quantized_attention"} <= set(row["passes_s"])
+    assert all(v > 0 for v in row["passes_s"].values())
 
 
 def test_a_failing_child_is_a_row(tmp_path):
@@ -71,7 +74,7 @@ def test_cli_compile_times_are_reported(folder, tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert code == 0
     assert calls["methods"] == ("moend_compiled",) and calls["length"] == 48 and calls["model"] == str(folder)
-    assert "| moend_compiled | warm | 9.0 s |" in printed
+    assert "| moend_compiled | warm | 9.0 s | 0.00 s |" in printed  # no passes_s in the fake rows: 0
     result = json.loads((out / "decode" / "decode.json").read_text())
     assert result["compile_times"]["rows"][0]["phase"] == "cold"
     assert "Compile time of the decode graph" in (out / "decode" / "decode.md").read_text()
