@@ -293,7 +293,10 @@ def real_passkey_records():
     grid = Grid()
     # The lossless plan reads no sensitivities: a placeholder table (all ones) carries the fingerprint.
     table = SensitivityTable(np.ones((fp.num_layers, len(grid))), grid, fp)
-    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=10, methods=("full", "lossless"),  # n: suite time
+    # n = 4: this checks the runner's path (one prefill, a compressed copy per method, records); the lossless
+    # plan's tokens are checked against DynamicCache on more prompts in tests/cache and tests/models (suite time:
+    # 10 examples took ~160 s here, most of it prefills)
+    cfg = EvalConfig(tasks=("passkey",), lengths=(2048,), n=4, methods=("full", "lossless"),
                      settings=("query_aware",), max_new_tokens=12)
     res = Runner(model, tok, table, cfg, progress=False).run()
     return {m: [r for r in res.records if r["method"] == m] for m in ("full", "lossless")}
