@@ -11,6 +11,30 @@ from moend_fx.common.errors import PlanError
 _COMPARED = ("architecture", "num_layers", "num_kv_heads", "head_dim", "num_heads")
 
 
+def sliding_layers(cfg: Any) -> list[int]:
+    """Indices of the layers of a Hugging Face text config that attend through a sliding window: those whose
+    ``layer_types`` entry is not ``"full_attention"`` (Gemma 3, Qwen2 with ``use_sliding_window``), or every layer
+    of a config with a ``sliding_window`` and no ``layer_types`` (Mistral)."""
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [i for i, t in enumerate(types) if t != "full_attention"]
+    return list(range(n)) if getattr(cfg, "sliding_window", None) is not None else []
+
+
+def check_full_attention(cfg: Any) -> None:
+    """A PlanError when any layer attends through a sliding window: a plan routes full-attention layers, and a
+    sliding layer's cache (its window, whatever the plan) is not what the memory model counts."""
+    sliding = sliding_layers(cfg)
+    if sliding:
+        shown = ", ".join(map(str, sliding[:8])) + (", ..." if len(sliding) > 8 else "")
+        raise PlanError(
+            f"this model has {len(sliding)} sliding-window attention layer(s) of {cfg.num_hidden_layers} (layers "
+            f"{shown}; window {getattr(cfg, 'sliding_window', None)}); moend_fx routes models whose every layer "
+            "is full attention (Llama, Qwen2 without use_sliding_window, ...): see docs/models.md"
+        )
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What a plan or table must match to be applied to a model."""
@@ -26,6 +50,7 @@ class ModelFingerprint:
     def from_model(cls, model: Any) -> ModelFingerprint:
         cfg = model.config
         cfg = getattr(cfg, "text_config", None) or cfg
+        check_full_attention(cfg)
         heads = int(cfg.num_attention_heads)
         kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
