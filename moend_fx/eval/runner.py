@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
 from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
@@ -55,6 +56,20 @@ _SHARED = ("measured_bytes", "ratio16", "ratio_model", "generated", "new_tokens"
 # --------------------------------------------------------------------------------------------- runner
 
 
+def check_context(model: Any, config: EvalConfig) -> None:
+    """A MoendError before any prefill when the longest prompt plus its answer tokens would run past the model's
+    trained context (``max_position_embeddings``): positions beyond it give no error, only meaningless scores."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    need = max(config.lengths) + config.max_new_tokens
+    if limit is not None and need > limit:
+        raise MoendError(
+            f"length {max(config.lengths)} + max_new_tokens {config.max_new_tokens} = {need} tokens exceeds "
+            f"this model's context of {limit} (max_position_embeddings); allowed lengths: <= "
+            f"{limit - config.max_new_tokens}"
+        )
+
+
 class Runner:
     """Runs methods x budgets on examples for one model + table (see the module docstring)."""
 
@@ -68,6 +83,7 @@ class Runner:
         self.eos = getattr(tokenizer, "eos_token_id", None)
         for b in config.budgets:
             parse_budget(b, self.fp, max(config.lengths))  # fail now on a bad budget string
+        check_context(model, config)
 
     # -- one example ------------------------------------------------------------------------------
     def run_example(self, ex: Example) -> list[dict[str, Any]]:

@@ -247,6 +247,17 @@ def test_bad_config_raises():
         EvalConfig(budgets=())
 
 
+def test_a_length_past_the_models_context_is_refused_before_any_prefill(table):
+    short = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=1,
+                       max_position_embeddings=512)
+    cfg = EvalConfig(tasks=("passkey",), lengths=(500,), n=1, max_new_tokens=24)
+    with pytest.raises(MoendError, match=r"500 \+ max_new_tokens 24 = 524 tokens exceeds this model's context of "
+                                         r"512 .*allowed lengths: <= 488"):
+        Runner(short, TOK, table, cfg, progress=False)
+    Runner(short, TOK, table, EvalConfig(tasks=("passkey",), lengths=(488,), n=1, max_new_tokens=24),
+           progress=False)  # at the limit: accepted
+
+
 def test_scorer_override_uses_the_query_window(model, table):
     cfg = EvalConfig(tasks=("passkey",), lengths=(400,), n=1, budgets=("4x",), methods=("2d_hetero",),
                      max_new_tokens=3, scorer="snapkv")
