@@ -50,6 +50,9 @@ from moend_fx.eval.tasks.registry import Example, make_examples, score
 from moend_fx.plan.memory import full_cache_bytes, parse_budget
 from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
 
+# (setting, method, budget): one run of an example; budget None for the budget-free methods (full, lossless).
+RunKey = tuple[str, str, str | None]
+
 # A record of a method whose plan equals an earlier method's (same example) copies that decode's figures.
 _SHARED = ("measured_bytes", "ratio16", "ratio_model", "generated", "new_tokens", "stop", "score", "decode_s")
 
@@ -86,7 +89,8 @@ class Runner:
         check_context(model, config)
 
     # -- one example ------------------------------------------------------------------------------
-    def run_example(self, ex: Example) -> list[dict[str, Any]]:
+    def run_example(self, ex: Example, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
+        """Every (setting, method, budget) run of ``ex``, or only those in ``only`` (a resumed example)."""
         tok = self.tokenizer
         head = ex.prefill_text(Setting.QUERY_AGNOSTIC)
         head_ids = encode(tok, head, special=True)
@@ -96,19 +100,26 @@ class Runner:
         ctx = prefill(self.model, head_ids, window=self.cfg.window)
         prefill_s = time.perf_counter() - t0
         out = []
-        if Setting.QUERY_AGNOSTIC in self.cfg.settings:
-            out += self._methods(ex, Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s)
-        if Setting.QUERY_AWARE in self.cfg.settings:
+        wanted = {k[0] for k in only} if only is not None else set(self.cfg.settings)
+        if Setting.QUERY_AGNOSTIC in self.cfg.settings and Setting.QUERY_AGNOSTIC in wanted:
+            out += self._methods(ex, Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s, only)
+        if Setting.QUERY_AWARE in self.cfg.settings and Setting.QUERY_AWARE in wanted:
             t0 = time.perf_counter()
             full = prefill(self.model, query_ids, window=self.cfg.window, base=ctx)
-            out += self._methods(ex, Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0)
+            out += self._methods(ex, Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0,
+                                 only)
         return out
+
+    def runs(self) -> list[RunKey]:
+        """Every (setting, method, budget) an example is run with under this config."""
+        return [(str(s), spec.name, b) for s in self.cfg.settings for spec, b in method_runs(self.methods,
+                                                                                              self.cfg.budgets)]
 
     def _max_new(self, ex: Example) -> int:
         return max(self.cfg.max_new_tokens, self.cfg.tokens_per_answer * len(ex.answers))
 
     def _methods(self, ex: Example, setting: Setting, state: PrefillState, suffix: list[int],
-                 prefill_s: float) -> list[dict[str, Any]]:
+                 prefill_s: float, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
         T = state.length
         base = dict(task=ex.task, target_length=ex.meta.get("target_length"), index=ex.meta.get("index"),
                     setting=str(setting), context_tokens=T, suffix_tokens=len(suffix), answers=list(ex.answers),
@@ -117,6 +128,8 @@ class Runner:
         done: dict[Any, dict[str, Any]] = {}  # plan layers -> record, to share identical plans' decodes
         recs = []
         for spec, budget in method_runs(self.methods, self.cfg.budgets):
+            if only is not None and (str(setting), spec.name, budget) not in only:
+                continue
             rec = dict(base, method=spec.name, budget=budget)
             plan = None
             if spec.kind == "moend":
@@ -175,18 +188,22 @@ class Runner:
         path = Path(out_dir) / "records.jsonl" if out_dir is not None else None
         if path is not None and resume and path.is_file():
             records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            done = {(r["task"], r["target_length"], r["index"]) for r in records}
+            # Per run, not per example: a resumed run with more methods or budgets runs only what is missing.
+            done = {(r["task"], r["target_length"], r["index"], r["setting"], r["method"], r["budget"])
+                    for r in records}
         exs = self.examples()
+        runs = self.runs()
         prev_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(EVAL_ATTN)
         try:
             bar = tqdm(exs, desc="eval", unit="ex", disable=not self.progress, dynamic_ncols=True)
             for ex in bar:
                 key = (ex.task, ex.meta["target_length"], ex.meta["index"])
-                if key in done:
+                missing = {r for r in runs if key + r not in done}
+                if not missing:
                     continue
                 bar.set_postfix_str(f"{ex.task}@{ex.meta['target_length']} #{ex.meta['index']}")
-                records += self.run_example(ex)
+                records += self.run_example(ex, only=None if len(missing) == len(runs) else missing)
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -104,9 +104,32 @@ def test_resume_skips_done_examples(model, table, tmp_path):
                      settings=("query_aware",), max_new_tokens=4)
     first = Runner(model, TOK, table, cfg, progress=False).run(tmp_path)
     runner = Runner(model, TOK, table, cfg, progress=False)
-    runner.run_example = lambda ex: pytest.fail("a done example was run again")
+    runner.run_example = lambda ex, only=None: pytest.fail("a done example was run again")
     second = runner.run(tmp_path)
     assert second.records == first.records
+
+
+def test_resume_with_a_new_budget_runs_only_the_missing_runs(model, table, tmp_path):
+    """Extending a finished run with a budget must not skip its done examples (they lack the new budget's
+    records), nor run their done methods again."""
+    cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=2, budgets=("8x",), methods=("full", "2d_hetero"),
+                     settings=("query_aware",), max_new_tokens=4)
+    first = Runner(model, TOK, table, cfg, progress=False).run(tmp_path)
+    wider = EvalConfig(tasks=("passkey",), lengths=(300,), n=2, budgets=("8x", "14x"),
+                       methods=("full", "2d_hetero"), settings=("query_aware",), max_new_tokens=4)
+    asked: list[set] = []
+    runner = Runner(model, TOK, table, wider, progress=False)
+    inner = runner.run_example
+    runner.run_example = lambda ex, only=None: asked.append(only) or inner(ex, only=only)
+    second = runner.run(tmp_path)
+    assert asked == [{("query_aware", "2d_hetero", "14x")}] * 2
+    assert second.records[:len(first.records)] == first.records
+    new = second.records[len(first.records):]
+    assert [(r["index"], r["method"], r["budget"]) for r in new] == [(0, "2d_hetero", "14x"), (1, "2d_hetero", "14x")]
+    # a third run finds every run done
+    third = Runner(model, TOK, table, wider, progress=False)
+    third.run_example = lambda ex, only=None: pytest.fail("a done run was run again")
+    assert third.run(tmp_path).records == second.records
 
 
 # ------------------------------------------------------------------------------------------------ exactness
