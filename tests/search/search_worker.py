@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def run(storage: str, table_path: str, seed: int, trials: int) -> None:
+def run(storage: str, table_path: str, seed: int, trials: int, ready=None) -> None:
+    """One worker of a shared study. ``ready``: a barrier the workers meet at once set up (model built, study
+    open), so a worker that started late still finds trials left (under load one could finish them all first)."""
     from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.search import open_study, run_worker
     from tests.search import helpers
@@ -16,4 +18,6 @@ def run(storage: str, table_path: str, seed: int, trials: int) -> None:
     s = helpers.settings(trials=trials, seed=seed)
     problem = helpers.problem(t, s)
     study, _ = open_study(storage, "shared", problem, s)
+    if ready is not None:
+        ready.wait(timeout=240)
     run_worker(study, problem, helpers.objective(m, t), s)

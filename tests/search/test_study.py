@@ -101,7 +101,9 @@ def test_two_processes_complete_the_total_with_no_lost_or_duplicated_trial(parts
     storage = f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite" else str(tmp_path / "s.journal")
     total = 16
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=search_worker.run, args=(storage, str(table_path), seed, total)) for seed in (1, 2)]
+    ready = ctx.Barrier(2)
+    procs = [ctx.Process(target=search_worker.run, args=(storage, str(table_path), seed, total, ready))
+             for seed in (1, 2)]
     for p in procs:
         p.start()
     for p in procs:
