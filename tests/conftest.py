@@ -37,3 +37,12 @@ def smollm2():
     from moend_fx.models import load_model
 
     return load_model("smollm2-135m")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files holding real-model (``slow``) tests run first. Under ``--dist loadfile`` a file is one unit and
+    units are handed out in collection order; alphabetically the costliest files (``test_readme.py``,
+    ``test_pinned_behaviour.py``, ~3 min each) came last, so one worker ran them while the other sat idle.
+    Started first, the many short files fill in around them. Stable: the order inside each group is kept."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
