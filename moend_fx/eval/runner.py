@@ -100,10 +100,10 @@ class Runner:
         ctx = prefill(self.model, head_ids, window=self.cfg.window)
         prefill_s = time.perf_counter() - t0
         out = []
-        wanted = {k[0] for k in only} if only is not None else set(self.cfg.settings)
-        if Setting.QUERY_AGNOSTIC in self.cfg.settings and Setting.QUERY_AGNOSTIC in wanted:
+        settings = {k[0] for k in only} if only is not None else set(self.cfg.settings)  # str == its Setting
+        if Setting.QUERY_AGNOSTIC in settings:
             out += self._methods(ex, Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s, only)
-        if Setting.QUERY_AWARE in self.cfg.settings and Setting.QUERY_AWARE in wanted:
+        if Setting.QUERY_AWARE in settings:
             t0 = time.perf_counter()
             full = prefill(self.model, query_ids, window=self.cfg.window, base=ctx)
             out += self._methods(ex, Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0,
