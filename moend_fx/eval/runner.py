@@ -73,6 +73,29 @@ def check_context(model: Any, config: EvalConfig) -> None:
         )
 
 
+_RUN_FIELDS = ("task", "target_length", "index", "setting", "method", "budget")
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a stopped run (``records.jsonl``), each checked for the fields resuming keys on; a line
+    that is not a JSON record, or lacks one of them, is a MoendError naming the file and the line."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MoendError(f"{path}:{i} is not a JSON record ({e.msg}); fix or delete the file, or pass "
+                             "--no-resume to start over") from None
+        missing = [k for k in _RUN_FIELDS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise MoendError(f"{path}:{i} lacks {', '.join(missing)} (a record of another version?); pass "
+                             "--no-resume to start over, or write to another --out")
+        out.append(r)
+    return out
+
+
 class Runner:
     """Runs methods x budgets on examples for one model + table (see the module docstring)."""
 
@@ -187,10 +210,9 @@ class Runner:
         done: set[tuple] = set()
         path = Path(out_dir) / "records.jsonl" if out_dir is not None else None
         if path is not None and resume and path.is_file():
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = load_records(path)
             # Per run, not per example: a resumed run with more methods or budgets runs only what is missing.
-            done = {(r["task"], r["target_length"], r["index"], r["setting"], r["method"], r["budget"])
-                    for r in records}
+            done = {tuple(r[k] for k in _RUN_FIELDS) for r in records}
         exs = self.examples()
         runs = self.runs()
         prev_attn = self.model.config._attn_implementation

@@ -110,6 +110,19 @@ def test_resume_skips_done_examples(model, table, tmp_path):
     assert second.records == first.records
 
 
+@pytest.mark.parametrize("line, match", [('{"task": "passkey"', "is not a JSON record"),
+                                         ('{"task": "passkey", "index": 0}', "lacks target_length, setting"),
+                                         ("[1, 2]", "lacks task")])
+def test_a_damaged_records_file_is_a_clear_error_and_is_left_as_it_was(model, table, tmp_path, line, match):
+    cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("full",),
+                     settings=("query_aware",), max_new_tokens=4)
+    path = tmp_path / "records.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(MoendError, match=f"records.jsonl:1 {match}"):
+        Runner(model, TOK, table, cfg, progress=False).run(tmp_path)
+    assert path.read_text() == line + "\n"
+
+
 def test_resume_with_a_new_budget_runs_only_the_missing_runs(model, table, tmp_path):
     """Extending a finished run with a budget must not skip its done examples (they lack the new budget's
     records), nor run their done methods again."""
