@@ -47,6 +47,10 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("search", "Measured plan search: is greedy end-to-end optimal?", "moend bench search",
                 "Greedy and exact plans against the best plan an Optuna search finds on measured continuation KL "
                 "around them, under the same byte budget, re-measured on held-out sequences."),
+    SectionSpec("heads", "Per-KV-head budgets (Ada-KV) inside MoE-nD's plans", "moend bench heads",
+                "Heads of a layer sharing its tokens by score instead of keeping one count each: the real cache "
+                "against a simulated cache with one count per head and with counts per head, at the same plan and "
+                "storage bytes."),
     SectionSpec("calibrate", "Calibration time", "moend bench calibrate",
                 "Wall time to measure the sensitivity table S[layer, config]."),
     SectionSpec("kernels", "Decode attention kernels", "moend bench kernels",

@@ -178,6 +178,24 @@ def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, co
     return md, {k: Path(v) for k, v in paths.items()}
 
 
+def bench_heads_section(model_name: str, table_path: str | os.PathLike | None, settings: Any, *,
+                        out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
+    """Run :class:`moend_fx.bench.head_budgets.HeadBudgetBench` (per-KV-head budgets, simulated; resumes from
+    ``out``). table_path: one table for every setting, or None for each setting's cached default."""
+    from moend_fx.bench.head_budgets import HeadBudgetBench
+    from moend_fx.bench.head_report import write_report
+    from moend_fx.calibration.tables import setting_tables
+    from moend_fx.models import load_model
+
+    tables, _, warnings = setting_tables(model_name, settings.settings, table_path)
+    for why in warnings:
+        print(f"moend bench heads: warning: {why}", file=sys.stderr)
+    model, tok = load_model(model_name)
+    records = HeadBudgetBench(model, tok, tables, settings, progress=progress).run(out, resume=True)
+    paths = write_report(records, settings, out)
+    return paths["markdown"].read_text(), {k: Path(v) for k, v in paths.items()}
+
+
 # --------------------------------------------------------------------------------------------- decode
 
 

@@ -1,5 +1,6 @@
-"""``moend bench {decode,prefill,solvers,calibrate,kernels,eval,all}``: benchmarks that write JSON + Markdown (+ PNG)
-under ``--out`` (default ``results/bench``) and update their section of ``docs/results.md``.
+"""``moend bench {decode,prefill,eval,solvers,proxy,search,heads,calibrate,kernels,all}``: benchmarks that
+write JSON + Markdown (+ PNG) under ``--out`` (default ``results/bench``) and update their section of
+``docs/results.md``.
 
 Each section of ``docs/results.md`` starts with the command that regenerates it, rebuilt from the parsed
 options (only those that differ from the defaults, plus ``--out``). ``moend bench all`` runs each benchmark
@@ -19,6 +20,7 @@ from moend_fx.cli.bench_commands import (
     cmd_calibrate,
     cmd_decode,
     cmd_eval,
+    cmd_heads,
     cmd_kernels,
     cmd_prefill,
     cmd_proxy,
@@ -80,7 +82,8 @@ def register(subparsers: Any) -> None:
     uniform = dec.uniform
 
     b = subparsers.add_parser("bench",
-                              help="benchmarks: decode, prefill, eval, solvers, proxy, search, calibrate, kernels, all",
+                              help="benchmarks: decode, prefill, eval, solvers, proxy, search, heads, calibrate, "
+                                   "kernels, all",
                               description="Each benchmark writes JSON + Markdown (+ PNG) under --out and "
                                           "updates its section of docs/results.md.")
     sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -187,6 +190,24 @@ def register(subparsers: Any) -> None:
     r.add_argument("--storage", default=None, help="optuna storage (default: OUT/search/study.db)")
     add_measured_args(r, trials_flag="--trials", trials_default=SearchSettings().trials, runtime=False)
     _common(r, cmd_search)
+
+    from moend_fx.bench.head_budgets import HeadBudgetSettings
+
+    hb = HeadBudgetSettings()
+    h = sub.add_parser("heads", help="per-KV-head budgets (Ada-KV) inside MoE-nD's plans, simulated, vs the real cache",
+                       description="The real MoENDCache, a simulation with one count per head and one with counts "
+                                   "per head, same plans and examples; resumes from --out.")
+    h.add_argument("--model", default=DEFAULT_MODEL)
+    h.add_argument("--table", default=None, help=f"table for every setting (default {SETTING_TABLES_HINT})")
+    h.add_argument("--task", default=hb.task, help="evaluation task (default %(default)s)")
+    h.add_argument("--length", type=positive_int, default=hb.length, help="prompt tokens (default %(default)s)")
+    h.add_argument("--n", type=positive_int, default=hb.n, help="examples (default %(default)s)")
+    h.add_argument("--budgets", default=",".join(hb.budgets), help="default %(default)s")
+    h.add_argument("--settings", default=",".join(SETTINGS), help="default %(default)s")
+    h.add_argument("--method", default=hb.method, help="whose plan (default %(default)s)")
+    h.add_argument("--alpha", type=float, default=hb.alpha,
+                   help="share of the layer's count every head keeps at least (default %(default)s)")
+    _common(h, cmd_heads)
 
     a = sub.add_parser("all", help="run every benchmark and rewrite docs/results.md",
                        description="Runs " + ", ".join(KEYS) + " with modest defaults (--quick: smaller).")

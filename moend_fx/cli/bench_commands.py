@@ -24,6 +24,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "eval": [],
     "proxy": [],
     "search": [],
+    "heads": [],
 }
 QUICK_ARGS: dict[str, list[str]] = {
     "solvers": ["--repeats", "5"],
@@ -34,6 +35,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "eval": ["--n", "2", "--lengths", "1024"],
     "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
     "search": ["--budgets", "8x", "--trials", "4", "--tokens", "512", "--sequences", "2", "--check", "1"],
+    "heads": ["--n", "1", "--length", "512", "--budgets", "8x"],
 }
 # --doc and --no-progress change where results are published and what is printed, not the figures.
 _NOT_IN_COMMAND = ("help", "doc", "no_progress")
@@ -224,6 +226,18 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     md, files = bench_proxy_section(args.model, _cached_table(args), settings, out=Path(args.out) / "proxy",
                                     progress=not args.no_progress)
     return _publish(args, "proxy", md, files)
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    from moend_fx.bench.head_budgets import HeadBudgetSettings
+    from moend_fx.bench.suite import bench_heads_section
+
+    _threads(args)
+    settings = HeadBudgetSettings(task=args.task, length=args.length, n=args.n, budgets=tuple(csv_list(args.budgets)),
+                                  settings=tuple(csv_list(args.settings)), method=args.method, alpha=args.alpha)
+    md, files = bench_heads_section(args.model, args.table, settings, out=Path(args.out) / "heads",
+                                    progress=not args.no_progress)
+    return _publish(args, "heads", md, files)
 
 
 def cmd_search(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,11 @@ def check_context(model: Any, config: EvalConfig) -> None:
 _RUN_FIELDS = ("task", "target_length", "index", "setting", "method", "budget")
 
 
-def load_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a stopped run (``records.jsonl``), each checked for the fields resuming keys on; a line
-    that is not a JSON record, or lacks one of them, is a MoendError naming the file and the line."""
+def load_records(path: Path, fields: tuple[str, ...] = _RUN_FIELDS,
+                 restart: str = "pass --no-resume to start over") -> list[dict[str, Any]]:
+    """The records of a stopped run (``records.jsonl``), each checked for the ``fields`` resuming keys on (an
+    evaluation's by default); a line that is not a JSON record, or lacks one of them, is a MoendError naming the
+    file and the line, and saying how to start over (``restart``)."""
     out = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -86,14 +88,35 @@ def load_records(path: Path) -> list[dict[str, Any]]:
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise MoendError(f"{path}:{i} is not a JSON record ({e.msg}); fix or delete the file, or pass "
-                             "--no-resume to start over") from None
-        missing = [k for k in _RUN_FIELDS if not isinstance(r, dict) or k not in r]
+            raise MoendError(f"{path}:{i} is not a JSON record ({e.msg}); fix or delete the file, or "
+                             f"{restart}") from None
+        missing = [k for k in fields if not isinstance(r, dict) or k not in r]
         if missing:
-            raise MoendError(f"{path}:{i} lacks {', '.join(missing)} (a record of another version?); pass "
-                             "--no-resume to start over, or write to another --out")
+            raise MoendError(f"{path}:{i} lacks {', '.join(missing)} (a record of another version?); {restart}, "
+                             "or write to another --out")
         out.append(r)
     return out
+
+
+def example_contexts(model: Any, tokenizer: Any, ex: Example, settings: Iterable[str], *, window: int,
+                     ) -> Iterator[tuple[Setting, PrefillState, list[int], float]]:
+    """(setting, full-precision prefill, suffix token ids fed after it, prefill seconds) of ``ex`` for each of
+    ``settings``: query-agnostic first (the context alone; the question and answer prefix are the suffix), then
+    query-aware (the question prefilled on top of the same context; the answer prefix is the suffix)."""
+    settings = set(settings)
+    head = ex.prefill_text(Setting.QUERY_AGNOSTIC)
+    head_ids = encode(tokenizer, head, special=True)
+    query_ids = encode(tokenizer, ex.prefill_text(Setting.QUERY_AWARE)[len(head):])
+    prefix_ids = encode(tokenizer, ex.suffix_text(Setting.QUERY_AWARE))
+    t0 = time.perf_counter()
+    ctx = prefill(model, head_ids, window=window)
+    prefill_s = time.perf_counter() - t0
+    if Setting.QUERY_AGNOSTIC in settings:
+        yield Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s
+    if Setting.QUERY_AWARE in settings:
+        t0 = time.perf_counter()
+        full = prefill(model, query_ids, window=window, base=ctx)
+        yield Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0
 
 
 class Runner:
@@ -114,23 +137,11 @@ class Runner:
     # -- one example ------------------------------------------------------------------------------
     def run_example(self, ex: Example, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
         """Every (setting, method, budget) run of ``ex``, or only those in ``only`` (a resumed example)."""
-        tok = self.tokenizer
-        head = ex.prefill_text(Setting.QUERY_AGNOSTIC)
-        head_ids = encode(tok, head, special=True)
-        query_ids = encode(tok, ex.prefill_text(Setting.QUERY_AWARE)[len(head):])
-        prefix_ids = encode(tok, ex.suffix_text(Setting.QUERY_AWARE))
-        t0 = time.perf_counter()
-        ctx = prefill(self.model, head_ids, window=self.cfg.window)
-        prefill_s = time.perf_counter() - t0
-        out = []
         settings = {k[0] for k in only} if only is not None else set(self.cfg.settings)  # str == its Setting
-        if Setting.QUERY_AGNOSTIC in settings:
-            out += self._methods(ex, Setting.QUERY_AGNOSTIC, ctx, query_ids + prefix_ids, prefill_s, only)
-        if Setting.QUERY_AWARE in settings:
-            t0 = time.perf_counter()
-            full = prefill(self.model, query_ids, window=self.cfg.window, base=ctx)
-            out += self._methods(ex, Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0,
-                                 only)
+        out = []
+        for setting, state, suffix, prefill_s in example_contexts(self.model, self.tokenizer, ex, settings,
+                                                                  window=self.cfg.window):
+            out += self._methods(ex, setting, state, suffix, prefill_s, only)
         return out
 
     def runs(self) -> list[RunKey]:

@@ -77,13 +77,14 @@ register_eval_attention()
 
 
 @contextmanager
-def eval_attention_on(model: Any) -> Iterator[None]:
-    """Run ``model`` with the "moend_eval" attention inside the block (restored after; no-op if already on)."""
+def eval_attention_on(model: Any, attention: str = EVAL_ATTN) -> Iterator[None]:
+    """Run ``model`` with the registered ``attention`` (default "moend_eval") inside the block (restored after;
+    no-op if already on)."""
     prev = model.config._attn_implementation
-    if prev == EVAL_ATTN:
+    if prev == attention:
         yield
         return
-    model.set_attn_implementation(EVAL_ATTN)
+    model.set_attn_implementation(attention)
     try:
         yield
     finally:
@@ -141,14 +142,14 @@ def stop_reason(example: Example, text: str) -> str | None:
 @torch.inference_mode()
 def greedy_decode(model: Any, cache: Any, suffix_ids: Sequence[int], max_new_tokens: int, *,
                   tokenizer: Any = None, stop: Callable[[str], str | None] | None = None,
-                  eos_token_id: int | None = None) -> tuple[list[int], str]:
-    """Feed ``suffix_ids`` through ``cache`` then decode greedily. Returns (new token ids, stop reason:
-    "eos", "max_new_tokens" or what ``stop(decoded text)`` said)."""
+                  eos_token_id: int | None = None, attention: str = EVAL_ATTN) -> tuple[list[int], str]:
+    """Feed ``suffix_ids`` through ``cache`` then decode greedily with the registered ``attention``. Returns
+    (new token ids, stop reason: "eos", "max_new_tokens" or what ``stop(decoded text)`` said)."""
     dev = model_device(model)
     ids = torch.tensor([list(suffix_ids)], device=dev)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        with eval_attention_on(model):
+        with eval_attention_on(model, attention):
             logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         nxt = int(logits[0, -1].argmax())
         if eos_token_id is not None and nxt == eos_token_id:

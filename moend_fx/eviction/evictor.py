@@ -253,7 +253,7 @@ class Evictor:
     def _evict_groups(self, kv: PackedKV, pos: torch.Tensor, real: RealTokens, target: int) -> PackedKV:
         """Drop the fewest whole packed groups that bring the layer to ``target`` tokens or below."""
         k, v = kv.dequantize()
-        scores = self._scores(k, v, pos, None, None)
+        scores = self.scores(k, v, pos, None, None)
         if real.valid is not None:
             scores = scores.masked_fill(~real.valid, float("-inf"))
         ranks = token_ranks(scores, sink_tokens=self.policy.sink_tokens, recent_tokens=self.policy.recent_tokens,
@@ -278,7 +278,7 @@ class Evictor:
         valid = real_at(lmask, slots.long())
         return PackedKV.from_dense(kv.keys, kv.values, self.config, self.group_size, kv.positions, valid=valid)
 
-    def _scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row: int | None,
+    def scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row: int | None,
                 q_keep: torch.Tensor | None) -> torch.Tensor:
         """Scores [b, Hkv, n] of k, v: [b, Hkv, n, D] at slots pos [b, Hkv, n] (b = 1 when ``row``). A scorer
         that reads queries but has none yet (a keep-1.0 layer that has just started evicting) scores every token
@@ -294,7 +294,7 @@ class Evictor:
                 row: int | None = None, q_keep: torch.Tensor | None = None) -> torch.Tensor:
         """Indices [b, Hkv, n_keep] of the tokens to keep among k, v: [b, Hkv, n, D] (b = 1 when ``row``);
         pos: [b, Hkv, n] slots. q_keep: [W] bool, which window queries of ``row`` are real tokens (None = all)."""
-        scores = self._scores(k, v, pos, row, q_keep)
+        scores = self.scores(k, v, pos, row, q_keep)
         idx, _ = select_tokens(scores, n_keep, sink_tokens=self.policy.sink_tokens,
                                recent_tokens=self.policy.recent_tokens, key_positions=pos)
         return idx
