@@ -24,7 +24,7 @@ from moend_fx.cache.layer import MoENDLayer, PackedAttention
 from moend_fx.common.checks import check_choice
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import BudgetMode
+from moend_fx.common.options import BudgetMode, ReEviction
 from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.rope import QueryStats, RopeSpec
@@ -77,6 +77,8 @@ class MoENDCache(Cache):
     ``plan.context_length``, :meth:`budget_bytes`, whatever the length; a layer that keeps every token starts
     evicting when it outgrows that) or "ratio" (keep_ratio of the tokens seen, re-evicted every ``evict_every``
     decode steps, growing in between: the plan's bytes hold right after an eviction only). See docs/cache.md.
+    reevict: what a decode-time re-eviction drops from a packed layer: whole packed ``"groups"`` (default; kept
+    codes are never re-quantized) or single ``"tokens"`` (the lowest-ranked; survivors re-quantized).
     An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
     has, when fewer): ``keep_count(T, keep_ratio, floor)``, which the memory model (``plan_bytes``) uses too.
     attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.packed.packed_layer_attention`:
@@ -92,7 +94,7 @@ class MoENDCache(Cache):
         self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
         query_stats: Any = None, evict_every: int = EVICT_EVERY, budget_mode: str = BudgetMode.CAPACITY,
         window: int = QUERY_WINDOW, attention_fn: PackedAttention | None = None,
-        scorer_kwargs: dict[str, Any] | None = None,
+        scorer_kwargs: dict[str, Any] | None = None, reevict: str = ReEviction.GROUPS,
     ) -> None:
         if not isinstance(plan, RoutingPlan):
             raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
@@ -104,7 +106,7 @@ class MoENDCache(Cache):
         name = plan.scorer if scorer is None else scorer
         layers = []
         for i, cfg in enumerate(plan.layers):
-            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens)
+            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, reevict)
             sc = spare = None
             if cfg.evicts:
                 sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), query_window=window,

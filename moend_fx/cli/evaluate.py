@@ -18,6 +18,7 @@ from moend_fx.calibration.tables import SETTING_TABLES_HINT, setting_tables
 from moend_fx.cli.args import csv_list
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import ReEviction
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -64,6 +65,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--continuation", type=int, default=0, metavar="N",
                    help="also measure teacher-forced continuation KL / loss on N held-out sequences per length")
     p.add_argument("--continuation-tokens", type=int, default=128, help="tokens fed after the context (default 128)")
+    p.add_argument("--reevict", default=str(cfg.reevict), choices=[str(r) for r in ReEviction],
+                   help="what a MoENDCache decode-time re-eviction drops from a packed layer: whole packed groups "
+                        "(default; kept codes never re-quantized) or single tokens (survivors re-quantized)")
     p.add_argument("--seed", type=int, default=cfg.seed)
     p.add_argument("--max-new-tokens", type=int, default=cfg.max_new_tokens)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                     scorer=args.scorer, calibrated_stats=not args.window_stats)
+                     scorer=args.scorer, calibrated_stats=not args.window_stats, reevict=args.reevict)
     if args.threads:
         torch.set_num_threads(args.threads)
     tables, paths, warnings = setting_tables(args.model, cfg.settings, args.table)

@@ -30,6 +30,9 @@ ScorerName = option_set(
 BudgetMode = option_set(
     "BudgetMode", "How a cache layer bounds what it holds: ``ratio`` of the tokens seen, or a fixed token "
     "``capacity``.", "ratio", "capacity")
+ReEviction = option_set(
+    "ReEviction", "What a re-eviction of a packed layer drops: whole packed ``groups`` (every kept code, scale and "
+    "zero bit for bit) or single ``tokens`` (the lowest-ranked ones; survivors re-quantized).", "groups", "tokens")
 QuantMode = option_set(
     "QuantMode", "Which axis a quantization group runs along: ``channel`` (K: groups of tokens per channel) or "
     "``token`` (V: groups of channels per token).", "channel", "token")

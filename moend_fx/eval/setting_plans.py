@@ -71,7 +71,7 @@ def setting_plans(model: Any, tables: SensitivityTable | Mapping[str, Sensitivit
             plans = PlanBook(table.priced_for(scorer, table.has_stats() and config.calibrated_stats))
             extra = {} if config.scorer is None else {"scorer": config.scorer}
             kw = moend_options(model, table, window=config.window, calibrated_stats=config.calibrated_stats,
-                               evict_every=config.evict_every, **extra)
+                               evict_every=config.evict_every, reevict=config.reevict, **extra)
             built[id(table)] = SettingPlans(table, plans, kw, scorer)
         out[setting] = built[id(table)]
     return out

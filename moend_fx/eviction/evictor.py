@@ -242,9 +242,9 @@ class Evictor:
 
     # ------------------------------------------------------------------ how
     def _has_groups(self, kv: PackedKV) -> bool:
-        """Whether a re-eviction of ``kv`` drops whole packed groups: its K is quantized (so regrouping survivors
-        would re-quantize them) and it has packed groups."""
-        return self.config.k_bits < 16 and kv.num_groups > 0
+        """Whether a re-eviction of ``kv`` drops whole packed groups: the policy says so (``reevict="groups"``), its K
+        is quantized (regrouping survivors would re-quantize them) and it has packed groups."""
+        return self.policy.whole_groups and self.config.k_bits < 16 and kv.num_groups > 0
 
     def _by_groups(self, kv: PackedKV, target: int) -> bool:
         """Whether this re-eviction drops whole packed groups and can reach ``target`` tokens that way."""

@@ -11,7 +11,7 @@ import torch
 
 from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW, RECENT_TOKENS, SINK_TOKENS
-from moend_fx.common.options import BudgetMode
+from moend_fx.common.options import BudgetMode, ReEviction
 from moend_fx.plan.memory import keep_count
 
 
@@ -28,6 +28,10 @@ class EvictionPolicy:
     ratio: keep ``keep_count(seen, keep_ratio, floor)`` after the prompt (and each prefill chunk) and re-evict to
     that every ``evict_every`` decode steps; in between a layer grows by up to ``evict_every - 1`` tokens (no
     byte bound: what the memory model predicts holds right after an eviction only).
+    reevict: what a re-eviction of a packed layer drops (the prompt is always evicted token by token, before it is
+    quantized): ``groups`` (default) drops whole packed groups, so kept codes are never re-quantized; ``tokens``
+    drops the lowest-ranked tokens one by one and re-quantizes the survivors (finer, at a re-quantization error
+    each time; docs/cache.md, "Re-eviction").
     ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra tokens. ``floor`` =
     sink_tokens + recent_tokens: an evicting layer keeps at least that many (or all it has) unless its byte
     budget cannot hold them. ``window``: how many recent queries a query-reading scorer scores with.
@@ -38,9 +42,11 @@ class EvictionPolicy:
     window: int = QUERY_WINDOW
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
+    reevict: ReEviction = ReEviction.GROUPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget_mode", check_choice("budget_mode", self.budget_mode, BudgetMode))
+        object.__setattr__(self, "reevict", check_choice("reevict", self.reevict, ReEviction))
         check_int("evict_every", self.evict_every)
         check_int("window", self.window)
 
@@ -48,6 +54,11 @@ class EvictionPolicy:
     def floor(self) -> int:
         """The fewest tokens an eviction keeps (when there are that many): the sinks plus the recent window."""
         return self.sink_tokens + self.recent_tokens
+
+    @property
+    def whole_groups(self) -> bool:
+        """Whether a re-eviction of a packed layer drops whole packed groups (else single tokens)."""
+        return self.reevict == ReEviction.GROUPS
 
     @property
     def capped(self) -> bool:

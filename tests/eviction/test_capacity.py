@@ -111,6 +111,24 @@ def test_no_layer_ever_exceeds_its_cap_over_1000_steps_and_keep1_layers_start_ev
     assert all(p >= 0.9 * c for p, c in zip(peak, caps)), (peak, caps)
 
 
+def test_token_re_evictions_keep_every_layer_within_its_cap():
+    """reevict="tokens" changes which tokens a capacity-mode eviction drops, not how many bytes it may hold."""
+    model = _model()
+    plan = _plan(model, [LayerConfig(0.25, 4, 8), LayerConfig(1.0, 4, 4), LayerConfig(0.5, 16, 4)],
+                 context_length=256)
+    cache = MoENDCache(plan, rope=rope_from_model(model), reevict="tokens")
+    caps = cache.budget_bytes().per_layer
+
+    def check(step: int) -> None:
+        got = cache.nbytes()
+        assert all(b <= c for b, c in zip(got.per_layer, caps)), (step, got.per_layer, caps)
+        if step % 50 == 0:
+            assert got == cache.model_bytes(), step
+
+    _decode(model, cache, 256, 300, check)
+    assert all(layer.evictions > 0 for layer in cache.layers)
+
+
 def test_a_prompt_longer_than_the_plan_is_compressed_into_the_cap():
     model = _model()
     cfgs = [LayerConfig(0.25, 4, 8), LayerConfig(1.0, 16, 16), LayerConfig(0.1, 8, 4)]

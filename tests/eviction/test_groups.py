@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from moend_fx.cache.layer import EvictionPolicy, MoENDLayer
-from moend_fx.eviction.evictor import Evictor
 from moend_fx.eviction.groups import groups_to_keep
 from moend_fx.eviction.scorers import get_scorer
 from moend_fx.plan.routing import LayerConfig
@@ -33,7 +32,7 @@ def _k_error(packed: PackedKV, originals: torch.Tensor) -> float:
     return float((k[:, :, :p] - orig).norm() / orig.norm())
 
 
-def _drift(keys: torch.Tensor, rounds: int = 8) -> tuple[float, float]:
+def _drift(keys: torch.Tensor, rounds: int = 8, reevict: str = "groups") -> tuple[float, float]:
     """(K error after the prompt's quantization, after ``rounds`` decode-time re-evictions) of a keep-0.25 K4/V4
     layer fed keys [1, H, S, D]: the first T = S // 2 as the prompt, the rest one decode step at a time."""
     _, h, s, d = keys.shape
@@ -41,7 +40,7 @@ def _drift(keys: torch.Tensor, rounds: int = 8) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(1)
     values = torch.randn(keys.shape, generator=gen)
     layer = MoENDLayer(CFG, layer_idx=0, scorer=get_scorer("keynorm"),
-                       policy=EvictionPolicy(evict_every=16, sink_tokens=4, recent_tokens=8))
+                       policy=EvictionPolicy(evict_every=16, sink_tokens=4, recent_tokens=8, reevict=reevict))
     layer.update(keys[:, :, :t], values[:, :, :t])
     layer.finish_prefill(torch.randn(1, h, t, d, generator=gen), None)
     first = _k_error(layer.packed, keys)
@@ -62,13 +61,12 @@ def _keys(s: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_k_error_after_8_re_evictions_stays_at_the_first_quantizations(seed, monkeypatch):
+def test_k_error_after_8_re_evictions_stays_at_the_first_quantizations(seed):
     first, after = _drift(_keys(4000, seed))
     assert after <= 1.05 * first, (first, after)  # the acceptance bound: kept codes are exact
-    # control: the old re-eviction (token by token: survivors regrouped, dequantized and quantized again)
-    # makes the same check fail
-    monkeypatch.setattr(Evictor, "_has_groups", lambda self, kv: False)
-    first_old, after_old = _drift(_keys(4000, seed))
+    # control, and what reevict="tokens" costs: token by token, the survivors are regrouped, dequantized and
+    # quantized again, and the same check fails
+    first_old, after_old = _drift(_keys(4000, seed), reevict="tokens")
     assert first_old == first and after_old > 1.05 * first_old, (first_old, after_old)
 
 
@@ -88,3 +86,37 @@ def test_k_error_on_real_keys_stays_at_the_first_quantizations():
     keys = cache.layers[10].keys.float()
     first, after = _drift(keys)
     assert after <= 1.05 * first, (first, after)
+
+
+def test_token_re_eviction_drops_the_lowest_ranked_tokens_not_a_group():
+    """reevict="tokens": a decode-time re-eviction keeps exactly the best-ranked tokens it needs (a token set no
+    whole-group drop could leave), re-quantized; "groups" drops whole packed groups."""
+    h, d, t = 2, 32, 200
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, h, t + 64, d, generator=gen), torch.randn(1, h, t + 64, d, generator=gen)
+    held = {}
+    for mode in ("groups", "tokens"):
+        layer = MoENDLayer(CFG, layer_idx=0, group_size=8, scorer=get_scorer("keynorm"),
+                           policy=EvictionPolicy(evict_every=16, sink_tokens=2, recent_tokens=4, reevict=mode))
+        layer.update(keys[:, :, :t], values[:, :, :t])
+        layer.finish_prefill(torch.randn(1, h, t, d, generator=gen), None)
+        step = t
+        while layer.evictions < 2:
+            layer.update(keys[:, :, step:step + 1], values[:, :, step:step + 1])
+            layer.attend(torch.randn(1, h, 1, d, generator=gen), None)
+            step += 1
+        layer.settle()
+        held[mode] = layer.packed.positions.long()
+        assert layer.held <= t // 4 + 16  # keep_count(seen, 0.25) plus at most evict_every - 1 new tokens
+    # keynorm keeps the smallest |k|. Among the prompt's tokens (its sinks and recent window aside), token mode
+    # holds the smallest norms: every kept one below every dropped one, up to the 4-bit K error the re-evictions
+    # rank by (they score dequantized keys: ~0.1 of a norm of ~5 here)
+    norms = keys[0, 0].norm(dim=-1)
+
+    def gap(pos: torch.Tensor) -> float:  # largest kept norm minus smallest dropped norm (<= 0: cleanly split)
+        kept = pos[(pos >= 2) & (pos < t - 4)]
+        dropped = torch.tensor([p for p in range(2, t - 4) if p not in set(kept.tolist())])
+        return float(norms[kept].max() - norms[dropped].min())
+
+    assert gap(held["tokens"][0, 0]) <= 0.1
+    assert gap(held["groups"][0, 0]) > 0.1  # control: whole groups keep some large norms beside a small one

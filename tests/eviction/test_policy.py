@@ -42,3 +42,6 @@ def test_options_are_checked():
         EvictionPolicy(evict_every=0)
     with pytest.raises(MoendError, match="window=0"):
         EvictionPolicy(window=0)
+    with pytest.raises(MoendError, match="reevict='some' is unknown; allowed: groups, tokens"):
+        EvictionPolicy(reevict="some")
+    assert EvictionPolicy().whole_groups and not EvictionPolicy(reevict="tokens").whole_groups
