@@ -18,7 +18,7 @@ from moend_fx.calibration.tables import SETTING_TABLES_HINT, setting_tables
 from moend_fx.cli.args import csv_list
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ReEviction
+from moend_fx.common.options import BudgetMode, ReEviction
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -68,6 +68,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reevict", default=str(cfg.reevict), choices=[str(r) for r in ReEviction],
                    help="what a MoENDCache decode-time re-eviction drops from a packed layer: whole packed groups "
                         "(default; kept codes never re-quantized) or single tokens (survivors re-quantized)")
+    p.add_argument("--budget-mode", default=str(cfg.budget_mode), choices=[str(b) for b in BudgetMode],
+                   help="MoENDCache's: capacity (default: no layer ever holds more than the plan's bytes) or ratio "
+                        "(keep_ratio of the tokens seen, re-evicted every 128 decode steps, growing in between)")
     p.add_argument("--seed", type=int, default=cfg.seed)
     p.add_argument("--max-new-tokens", type=int, default=cfg.max_new_tokens)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -88,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                     scorer=args.scorer, calibrated_stats=not args.window_stats, reevict=args.reevict)
+                     scorer=args.scorer, calibrated_stats=not args.window_stats, reevict=args.reevict,
+                     budget_mode=args.budget_mode)
     if args.threads:
         torch.set_num_threads(args.threads)
     tables, paths, warnings = setting_tables(args.model, cfg.settings, args.table)

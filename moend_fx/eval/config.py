@@ -8,7 +8,7 @@ from typing import Any
 from moend_fx.common.checks import check_choice, check_int, check_names
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ReEviction, Setting
+from moend_fx.common.options import BudgetMode, ReEviction, Setting
 from moend_fx.eval.methods import METHODS
 from moend_fx.eval.tasks.registry import TASKS
 from moend_fx.eviction.scorers import SCORERS
@@ -39,6 +39,7 @@ class EvalConfig:
     scorer: str | None = None  # override the plan's eviction scorer (e.g. "snapkv") for every MoENDCache method
     calibrated_stats: bool = True  # trig: the table's query statistics (False: estimate from the query window)
     reevict: ReEviction = ReEviction.GROUPS  # what MoENDCache's decode-time re-evictions drop: groups or tokens
+    budget_mode: BudgetMode = BudgetMode.CAPACITY  # MoENDCache's: a byte cap at every step, or a ratio re-evicted
 
     def __post_init__(self) -> None:
         for name in ("lengths", "budgets", "settings"):
@@ -48,6 +49,7 @@ class EvalConfig:
         object.__setattr__(self, "tasks", check_names("tasks", "task", self.tasks, TASKS))
         object.__setattr__(self, "settings", tuple(check_choice("setting", s, Setting) for s in self.settings))
         object.__setattr__(self, "reevict", check_choice("reevict", self.reevict, ReEviction))
+        object.__setattr__(self, "budget_mode", check_choice("budget_mode", self.budget_mode, BudgetMode))
         object.__setattr__(self, "methods", check_names("methods", "method", self.methods, METHODS))
         for name in ("n", "max_new_tokens", "tokens_per_answer", "window", "evict_every"):
             check_int(name, getattr(self, name))
@@ -57,7 +59,8 @@ class EvalConfig:
             check_int("length", length, minimum=MIN_LENGTH)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "settings": tuple(str(s) for s in self.settings), "reevict": str(self.reevict)}
+        return {**asdict(self), "settings": tuple(str(s) for s in self.settings), "reevict": str(self.reevict),
+                "budget_mode": str(self.budget_mode)}
 
 
 @dataclass

@@ -71,7 +71,8 @@ def setting_plans(model: Any, tables: SensitivityTable | Mapping[str, Sensitivit
             plans = PlanBook(table.priced_for(scorer, table.has_stats() and config.calibrated_stats))
             extra = {} if config.scorer is None else {"scorer": config.scorer}
             kw = moend_options(model, table, window=config.window, calibrated_stats=config.calibrated_stats,
-                               evict_every=config.evict_every, reevict=config.reevict, **extra)
+                               evict_every=config.evict_every, reevict=config.reevict,
+                               budget_mode=config.budget_mode, **extra)
             built[id(table)] = SettingPlans(table, plans, kw, scorer)
         out[setting] = built[id(table)]
     return out

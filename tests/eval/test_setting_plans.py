@@ -61,16 +61,18 @@ def test_missing_or_bad_tables_are_named(tables):
         per_setting({"query_aware": "t.safetensors"}, ("query_aware",))
 
 
-def test_the_re_eviction_granularity_reaches_every_cache_of_a_run(model, tables):
+def test_the_re_eviction_granularity_and_budget_mode_reach_every_cache_of_a_run(model, tables):
     cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("2d_hetero",),
-                     reevict="tokens")
-    assert cfg.to_dict()["reevict"] == "tokens"
+                     reevict="tokens", budget_mode="ratio")
+    assert cfg.to_dict()["reevict"] == "tokens" and cfg.to_dict()["budget_mode"] == "ratio"
     from moend_fx.cache.moend_cache import MoENDCache
 
     sp = setting_plans(model, tables, cfg)["query_aware"]
     plan = sp.plans.get("2d_hetero", "8x", 300).plan
     cache = MoENDCache(plan, **sp.moend_kw)
-    assert all(not layer.policy.whole_groups for layer in cache.layers)
+    assert all(not layer.policy.whole_groups and not layer.policy.capped for layer in cache.layers)
     assert all(layer.policy.whole_groups for layer in MoENDCache(plan).layers)  # the default: whole groups
     with pytest.raises(MoendError, match="reevict='bits' is unknown; allowed: groups, tokens"):
         EvalConfig(reevict="bits")
+    with pytest.raises(MoendError, match="budget_mode='cap' is unknown; allowed: ratio, capacity"):
+        EvalConfig(budget_mode="cap")
