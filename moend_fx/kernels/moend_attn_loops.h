@@ -137,7 +137,8 @@ inline void k_unpack_row(const uint8_t* codes, int W, int t, int nt, __m256i* cv
 template <int KB, int NV>
 void k_dot_avx2(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s, float* lg, int ldl) {
   const int W = a.Wk;
-  int32_t* tmp = s.tmp.data();  // [rows][4 token pairs][8 lanes]
+  const int16_t* __restrict qbase = s.qi.data();
+  int32_t* __restrict tmp = s.tmp.data();  // [rows][4 token pairs][8 lanes]
   for (int t8 = 0; t8 < n; t8 += 8) {
     const int nt = std::min(8, n - t8);
     const uint8_t* base = codes + static_cast<int64_t>(t8) * W;
@@ -146,7 +147,7 @@ void k_dot_avx2(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s
       k_unpack_row<KB, NV>(base, W, t, nt, c0);
       k_unpack_row<KB, NV>(base, W, t + 1, nt, c1);
       for (int r = 0; r < rows; ++r) {
-        const __m256i* q = reinterpret_cast<const __m256i*>(s.qi.data() + r * NV * 16);
+        const __m256i* q = reinterpret_cast<const __m256i*>(qbase + r * NV * 16);
         __m256i qv = _mm256_loadu_si256(q);
         __m256i a0 = _mm256_madd_epi16(c0[0], qv), a1 = _mm256_madd_epi16(c1[0], qv);
 #pragma GCC unroll 16
@@ -164,6 +165,10 @@ void k_dot_avx2(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s
       const __m256i x = _mm256_hadd_epi32(ld(0), ld(1)), y = _mm256_hadd_epi32(ld(2), ld(3));
       const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
       const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(s.deq[r]), _mm256_set1_ps(s.bias[r]));
+      if (nt == 8) {  // the common case: one store, no copy through a stack buffer
+        _mm256_storeu_ps(lg + r * ldl + t8, f);
+        continue;
+      }
       alignas(32) float out[8];
       _mm256_store_ps(out, f);
       std::memcpy(lg + r * ldl + t8, out, nt * sizeof(float));
