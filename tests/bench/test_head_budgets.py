@@ -13,26 +13,17 @@ from hypothesis import strategies as st
 from moend_fx.bench.head_budgets import VARIANTS, HeadBudgetBench, HeadBudgetSettings
 from moend_fx.bench.head_report import write_report
 from moend_fx.bench.head_sim import HEADSIM_ATTN, SimulatedLayer, headsim_attention, simulate, simulated
-from moend_fx.calibration.pipeline import calibrate
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.methods import METHODS, PlanBook, build_cache, moend_options
 from moend_fx.eval.steps import EVAL_ATTN, eval_attention_on, prefill
 from moend_fx.eval.tasks.registry import make_examples
-from moend_fx.models import tiny_model
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
 from moend_fx.storage.packed import PackedKV
+from tests.eval import test_runner
 from tests.eval.test_runner import TOK
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=1)
-
-
-@pytest.fixture(scope="module")
-def table(model):
-    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(0))
-    return calibrate(model, token_ids=ids)
+model, table = test_runner.model, test_runner.table  # the evaluation tests' tiny model and its table
 
 
 class _Module:
