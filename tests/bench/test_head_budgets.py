@@ -22,7 +22,6 @@ from moend_fx.storage.packed import PackedKV
 from tests.eval import test_runner
 from tests.eval.test_runner import TOK
 
-
 model, table = test_runner.model, test_runner.table  # the evaluation tests' tiny model and its table
 
 
