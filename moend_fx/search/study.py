@@ -207,11 +207,13 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class WorkerReport:
-    """What one worker did: trials measured here, surplus slots, trials reused from a same-plan trial."""
+    """What one worker did: trials measured here, surplus slots, trials reused from a same-plan trial, trials it
+    measured that another worker had told first."""
 
     measured: int = 0
     reused: int = 0
     surplus: int = 0
+    duplicates: int = 0  # trials another worker was handed too and told first (SQLite's enqueued-trial race)
     seconds: float = 0.0
 
 
@@ -241,15 +243,16 @@ def run_worker(study: Any, problem: Problem, objective: MeasuredKL, settings: Se
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
         kl, used = float(np.mean(per_seq)), problem.space.bytes_of(idx)
-        trial.set_user_attr("worker", worker)
-        trial.set_user_attr("indices", [int(i) for i in idx])
-        trial.set_user_attr("bytes", used)
-        trial.set_user_attr("predicted", problem.predicted(idx))
-        trial.set_user_attr("kl_per_sequence", [float(x) for x in per_seq])
-        trial.set_user_attr("reused", reused is not None)
-        trial.set_user_attr("seconds", time.perf_counter() - t0)
-        trial.set_constraint("budget", (used - problem.budget_bytes) / problem.budget_bytes)
-        study.tell(trial, [kl, float(used)] if settings.multi else kl)
+        try:
+            _record(trial, worker, idx, used, problem, per_seq, reused is not None, time.perf_counter() - t0)
+            study.tell(trial, [kl, float(used)] if settings.multi else kl)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+            # SQLite ignores the row lock optuna takes to pop an enqueued trial, so under load two workers can be
+            # handed the same seeded trial: the first to finish tells it (the same plan's KL is the same)
+            if not _finished(study, trial.number):
+                raise
+            rep.duplicates += 1
+            continue
         rep.reused += reused is not None
         rep.measured += reused is None
         if on_trial is not None:
@@ -257,6 +260,24 @@ def run_worker(study: Any, problem: Problem, objective: MeasuredKL, settings: Se
             on_trial(len(done), min(float(np.mean(t.user_attrs["kl_per_sequence"])) for t in done))
     rep.seconds = time.perf_counter() - t_start
     return rep
+
+
+def _record(trial: Any, worker: str, idx: np.ndarray, used: int, problem: Problem, per_seq: list[float],
+            reused: bool, seconds: float) -> None:
+    """What a measured trial keeps: who measured it, the plan, its bytes and KL, and the budget constraint."""
+    trial.set_user_attr("worker", worker)
+    trial.set_user_attr("indices", [int(i) for i in idx])
+    trial.set_user_attr("bytes", used)
+    trial.set_user_attr("predicted", problem.predicted(idx))
+    trial.set_user_attr("kl_per_sequence", [float(x) for x in per_seq])
+    trial.set_user_attr("reused", reused)
+    trial.set_user_attr("seconds", seconds)
+    trial.set_constraint("budget", (used - problem.budget_bytes) / problem.budget_bytes)
+
+
+def _finished(study: Any, number: int) -> bool:
+    """Whether trial ``number`` of ``study`` is already finished (told by another worker)."""
+    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
 def _same_plan(trials: list[Any], idx: np.ndarray) -> list[float] | None:

@@ -44,6 +44,29 @@ def test_greedy_is_trial_zero_exact_next_and_every_plan_fits(parts, tmp_path):
     assert tr.value == pytest.approx(obj(tr.user_attrs["indices"]), rel=0, abs=0)
 
 
+def test_a_seeded_trial_handed_to_two_workers_is_told_once(parts, tmp_path):
+    """SQLite ignores the row lock optuna takes to pop an enqueued trial, so under load two workers can be handed
+    the same seeded trial (seen once in the two-process test below). The one that tells it second goes on."""
+    _, t, obj = parts
+    s = helpers.settings(trials=4)
+    problem = helpers.problem(t, s)
+    study, _ = open_study(f"sqlite:///{tmp_path / 's.db'}", "dup", problem, s)
+    first = study.ask()  # the greedy seed, as the other worker got it, measured and told first
+    study.tell(first, obj(problem.space.propose(first)))
+    ask, handed = study.ask, []
+
+    def ask_twice():  # hand this worker the trial the other one has already told
+        if not handed:
+            handed.append(first.number)
+            return optuna.Trial(study, first._trial_id)
+        return ask()
+
+    study.ask = ask_twice
+    rep = run_worker(study, problem, obj, s)
+    assert rep.duplicates == 1 and len(_complete(study)) == s.trials
+    assert sorted(tr.number for tr in study.get_trials()) == list(range(len(study.get_trials())))
+
+
 def test_resume_runs_to_the_new_total_and_keeps_earlier_trials(parts, tmp_path):
     _, t, obj = parts
     url = str(tmp_path / "s.journal")
