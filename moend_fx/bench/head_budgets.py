@@ -113,7 +113,7 @@ class HeadBudgetBench:
                  missing: set[tuple[str, str, str]]) -> list[dict[str, Any]]:
         sp = self.by_setting[setting]
         full16 = full_cache_bytes(sp.table.fingerprint, state.length, dtype="16bit")
-        max_new = max(self.cfg.max_new_tokens, self.cfg.tokens_per_answer * len(ex.answers))
+        max_new = self.cfg.max_new(len(ex.answers))
         kw = dict(tokenizer=self.tokenizer, stop=lambda s: stop_reason(ex, s), eos_token_id=self.eos)
         out = []
         for budget in self.s.budgets:

@@ -58,6 +58,10 @@ class EvalConfig:
         for length in self.lengths:
             check_int("length", length, minimum=MIN_LENGTH)
 
+    def max_new(self, answers: int) -> int:
+        """Decode cap for an example with ``answers`` expected answers."""
+        return max(self.max_new_tokens, self.tokens_per_answer * answers)
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "settings": tuple(str(s) for s in self.settings), "reevict": str(self.reevict),
                 "budget_mode": str(self.budget_mode)}

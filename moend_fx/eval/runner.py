@@ -149,9 +149,6 @@ class Runner:
         return [(str(s), spec.name, b) for s in self.cfg.settings for spec, b in method_runs(self.methods,
                                                                                               self.cfg.budgets)]
 
-    def _max_new(self, ex: Example) -> int:
-        return max(self.cfg.max_new_tokens, self.cfg.tokens_per_answer * len(ex.answers))
-
     def _methods(self, ex: Example, setting: Setting, state: PrefillState, suffix: list[int],
                  prefill_s: float, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
         T = state.length
@@ -195,7 +192,7 @@ class Runner:
         measured = cache_nbytes(cache)
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        new, why = greedy_decode(self.model, cache, suffix, self._max_new(ex), tokenizer=self.tokenizer,
+        new, why = greedy_decode(self.model, cache, suffix, self.cfg.max_new(len(ex.answers)), tokenizer=self.tokenizer,
                                  stop=lambda s, ex=ex: stop_reason(ex, s), eos_token_id=self.eos)
         text = decode(self.tokenizer, new)
         return dict(measured_bytes=measured, ratio16=base["full16_bytes"] / measured,
