@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from moend_fx.calibration.tables import SETTING_TABLES_HINT, setting_tables
@@ -65,6 +66,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--continuation", type=int, default=0, metavar="N",
                    help="also measure teacher-forced continuation KL / loss on N held-out sequences per length")
     p.add_argument("--continuation-tokens", type=int, default=128, help="tokens fed after the context (default 128)")
+    p.add_argument("--continuation-only", action="store_true",
+                   help="run only the continuation KL (needs --continuation N), not the tasks")
     p.add_argument("--reevict", default=str(cfg.reevict), choices=[str(r) for r in ReEviction],
                    help="what a MoENDCache decode-time re-eviction drops from a packed layer: whole packed groups "
                         "(default; kept codes never re-quantized) or single tokens (survivors re-quantized)")
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from moend_fx.eval.runner import Runner
     from moend_fx.models import load_model
 
+    if args.continuation_only and args.continuation <= 0:
+        raise MoendError("--continuation-only needs --continuation N (N held-out sequences per length, N >= 1)")
     cfg = EvalConfig(tasks=args.tasks, lengths=args.lengths, n=args.n, budgets=args.budgets, methods=args.methods,
                      settings=args.settings, seed=args.seed, max_new_tokens=args.max_new_tokens,
                      scorer=args.scorer, calibrated_stats=not args.window_stats, reevict=args.reevict,
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     runner = Runner(model, tokenizer, tables, cfg, progress=not args.no_progress)
     for name, why in runner.skipped.items():
         print(f"moend eval: skipping {name}: {why}")
-    result = runner.run(args.out, resume=not args.no_resume)
+    result = None if args.continuation_only else runner.run(args.out, resume=not args.no_resume)
     cont = []
     if args.continuation > 0:
         from moend_fx.calibration.data import token_sequences
@@ -114,10 +119,12 @@ def run(args: argparse.Namespace) -> int:
             ids, _ = token_sequences(model, tokenizer, args.continuation, length + args.continuation_tokens,
                                      seed=args.seed, split="heldout")
             cont += continuation_eval(model, table, ids, length, methods=runner.methods, budgets=cfg.budgets,
-                                      window=cfg.window, progress=not args.no_progress)
-    meta = dict(result.meta, table_path=str(paths[cfg.settings[0]]), model_name=args.model,
-                table_paths={str(s): str(p) for s, p in paths.items()})
-    written = write_report(result.records, args.out, meta=meta, plans=result.plans, continuation=cont)
+                                      window=cfg.window, progress=not args.no_progress,
+                                      records=Path(args.out) / "continuation.jsonl", resume=not args.no_resume)
+    meta = dict(result.meta if result else runner.meta(), table_path=str(paths[cfg.settings[0]]),
+                model_name=args.model, table_paths={str(s): str(p) for s, p in paths.items()})
+    written = write_report(result.records if result else [], args.out, meta=meta,
+                           plans=result.plans if result else None, continuation=cont)
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0

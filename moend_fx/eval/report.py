@@ -94,23 +94,24 @@ def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, *, meta
                  plans: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
                  continuation: Sequence[dict[str, Any]] | None = None) -> dict[str, Path]:
     """Write results.json (meta, summary rows, plans, records; continuation KL rows if given), results.md and
-    accuracy_vs_bytes.png."""
-    if not records:
+    accuracy_vs_bytes.png (only when there are task records: a continuation-only run has none)."""
+    if not records and not continuation:
         raise MoendError("no records to report")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize_records(records)
     doc = {"format": "moend_fx.eval", "version": 1, "meta": meta or {}, "summary": rows, "plans": plans or {},
            "records": list(records), **(extra or {})}
-    md = markdown_report(rows, meta)
+    md = markdown_report(rows, meta) if records else ""
     if continuation:
         doc["continuation"] = {"summary": summarize_continuation(continuation), "records": list(continuation)}
-        md += "\n" + markdown_continuation(doc["continuation"]["summary"])
+        md += ("\n" if md else "") + markdown_continuation(doc["continuation"]["summary"])
     paths = {
         "json": atomic_write_text(out / "results.json", json.dumps(doc, indent=1, default=str)),
         "md": atomic_write_text(out / "results.md", md),
     }
-    paths["png"] = plot_accuracy_vs_bytes(rows, out / "accuracy_vs_bytes.png")
+    if records:
+        paths["png"] = plot_accuracy_vs_bytes(rows, out / "accuracy_vs_bytes.png")
     return paths
 
 

@@ -79,3 +79,10 @@ def test_eval_refuses_a_stale_default_table(tmp_path, monkeypatch, capsys):
     assert main(["eval", "--model", str(folder), "--n", "1", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "snapkv_trig-2048" in err and "moend calibrate --setting query_aware" in err
+
+
+def test_eval_continuation_only_needs_sequences(tmp_path, capsys):
+    assert main(["eval", "--continuation-only", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--continuation-only needs --continuation N" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

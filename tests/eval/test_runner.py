@@ -13,7 +13,6 @@ from moend_fx.calibration.pipeline import calibrate
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
-from moend_fx.eval.continuation import continuation_eval
 from moend_fx.eval.methods import (
     METHODS,
     PlanBook,
@@ -23,7 +22,6 @@ from moend_fx.eval.methods import (
     hf_backend_available,
     lossless_plan,
 )
-from moend_fx.eval.report import markdown_continuation, summarize_continuation
 from moend_fx.eval.runner import Runner
 from moend_fx.eval.steps import EVAL_ATTN, QueryRecorder, greedy_decode, prefill, stop_reason
 from moend_fx.eval.tasks.registry import Example, make_examples
@@ -230,25 +228,6 @@ def test_prefill_in_two_chunks_matches_one(model, example):
         torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
         assert q2.shape == q1.shape == (1, 4, 16, 32)
         torch.testing.assert_close(q2, q1, atol=1e-5, rtol=1e-5)
-
-
-def test_continuation_kl_full_zero_lossless_tiny_compressed_positive(model, table):
-    ids = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(5))
-    recs = continuation_eval(model, table, ids, 160, methods=("full", "lossless", "2d_hetero"), budgets=("4x",),
-                             progress=False)
-    by = {(r["sequence"], r["method"]): r for r in recs}
-    assert len(recs) == 6
-    for i in range(2):
-        assert by[(i, "full")]["kl"] == 0.0 and by[(i, "full")]["loss"] == by[(i, "full")]["loss_full"]
-        # Reference attention over the packed lossless layer vs SDPA: same maths, fp32 reduction order.
-        assert by[(i, "lossless")]["kl"] < 1e-6
-        assert by[(i, "2d_hetero")]["kl"] > 1e-6
-        assert by[(i, "2d_hetero")]["ratio16"] >= 4.0
-    rows = summarize_continuation(recs)
-    assert [r["method"] for r in rows] == ["full", "lossless", "2d_hetero"] and all(r["n"] == 2 for r in rows)
-    assert "KL from full" in markdown_continuation(rows)
-    with pytest.raises(MoendError, match="context_length"):
-        continuation_eval(model, table, ids, 199, methods=("full",), budgets=("4x",), progress=False)
 
 
 # ------------------------------------------------------------------------------------------------ pieces
