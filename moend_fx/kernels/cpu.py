@@ -6,8 +6,10 @@ sources (``moend_attn.cpp`` and its headers), the compiler flags and the torch v
 upgrade rebuilds. It is compiled and linked with ``-fopenmp`` when torch's parallel backend is OpenMP, so
 ``at::parallel_for`` runs on torch's own OpenMP pool (the system libgomp has the soname torch loads: one
 runtime); without it ``at::parallel_for`` is a serial loop. ``-mavx2 -mfma -mf16c`` are added only when this
-CPU reports those flags (else the portable loops are compiled). If the compiler is missing or the build
-fails, one warning is issued and :func:`available` returns False: callers then use the reference path.
+CPU reports those flags (else the portable loops are compiled), and ``-mavx512f -mavx512bw -mavx512vl`` (with
+``-mavx512vnni`` where present) on top of them when it has AVX-512 too (``moend_attn_avx512.h``). If the
+compiler is missing or the build fails, one warning is issued and :func:`available` returns False: callers then
+use the reference path.
 
 Set ``MOEND_CPU_KERNEL=0`` to skip the build and always use the reference.
 """
@@ -23,8 +25,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("moend_attn.cpp")
-HEADERS = (SOURCE.with_name("moend_attn_simd.h"), SOURCE.with_name("moend_attn_loops.h"))
+HEADERS = tuple(SOURCE.with_name(f"moend_attn_{part}.h") for part in ("simd", "loops", "avx512"))
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # the AVX-512 tier needs all three
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "error": None}
 
@@ -51,13 +54,21 @@ def torch_uses_openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def compile_flags(avx2: bool | None = None) -> list[str]:
+def compile_flags(avx2: bool | None = None, avx512: bool | None = None) -> list[str]:
     """-O3 (+ -fopenmp when torch uses OpenMP), plus AVX2/FMA/F16C when this CPU has them (CI builds on the
-    machine that runs it); ``avx2=False`` forces the portable loops (tests)."""
+    machine that runs it), plus AVX-512 F/BW/VL (+ VNNI) when it has those too. ``avx2=False`` forces the
+    portable loops, ``avx512=False`` the AVX2 ones (tests)."""
     flags = ["-O3", "-fopenmp" if torch_uses_openmp() else "-fopenmp-simd"]
+    have = _cpu_flags()
     if avx2 is None:
-        avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
-    return flags + (AVX2_FLAGS if avx2 else [])
+        avx2 = {"avx2", "fma", "f16c"} <= have
+    if not avx2:
+        return flags
+    if avx512 is None:
+        avx512 = {"avx512f", "avx512bw", "avx512vl"} <= have
+    if not avx512:
+        return flags + AVX2_FLAGS
+    return flags + AVX2_FLAGS + AVX512_FLAGS + (["-mavx512vnni"] if "avx512_vnni" in have else [])
 
 
 def _build_name(flags: list[str], prefix: str = "moend_attn") -> str:

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "moend_attn_loops.h"
+#include "moend_attn_avx512.h"
 
 #ifndef MOEND_OP_NS
 #define MOEND_OP_NS moend_cpu
@@ -50,6 +51,12 @@ void k_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s
     const int64_t g = gbase + (t0 + i0) / a.G;
     k_group_prep(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
     const int m = std::min(a.G, n - i0);
+#ifdef MOEND_AVX512
+    if constexpr (NV > 0 && NV % 2 == 0) {
+      k_dot_avx512<KB, NV / 2>(a, codes + static_cast<int64_t>(i0) * a.Wk, m, rows, s, s.lg.data() + i0, ldl);
+      continue;
+    }
+#endif
 #ifdef __AVX2__
     if constexpr (NV > 0) {
       k_dot_avx2<KB, NV>(a, codes + static_cast<int64_t>(i0) * a.Wk, m, rows, s, s.lg.data() + i0, ldl);
@@ -83,6 +90,9 @@ void v_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, const floa
   const int64_t tok0 = bkv * a.Pv + t0;
   v_block_prep(a, tok0, n, rows, p, ldl, s);
   const uint8_t* codes = static_cast<const uint8_t*>(a.vp) + tok0 * a.Wv;
+#ifdef MOEND_AVX512
+  if (a.wpg % 16 == 0) return v_acc_avx512<VB>(a, codes, n, rows, s);
+#endif
 #ifdef __AVX2__
   if (a.wpg % 8 == 0) return v_acc_avx2<VB>(a, codes, n, rows, s);
 #endif

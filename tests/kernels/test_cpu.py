@@ -1,4 +1,5 @@
-"""The build of the C++ kernel (moend_fx/kernels/cpu.py): OpenMP shared with torch, and the portable loops."""
+"""The build of the C++ kernel (moend_fx/kernels/cpu.py): OpenMP shared with torch, the portable loops, and the
+AVX2 loops on a CPU whose default build takes the AVX-512 tier."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.kernels.masks import padding_mask
 from tests.kernels.test_moend_attn import make_case
 
 PORTABLE_NS = "moend_cpu_portable"
+AVX2_NS = "moend_cpu_avx2"
 
 
 def test_built_with_torchs_openmp():
@@ -28,6 +30,10 @@ def test_built_with_torchs_openmp():
 def test_compile_flags():
     assert not set(cpu.AVX2_FLAGS) & set(cpu.compile_flags(avx2=False))
     assert set(cpu.AVX2_FLAGS) <= set(cpu.compile_flags(avx2=True))
+    # the AVX-512 tier sits on top of AVX2, never alone
+    assert not set(cpu.AVX512_FLAGS) & set(cpu.compile_flags(avx2=False, avx512=True))
+    assert set(cpu.AVX2_FLAGS + cpu.AVX512_FLAGS) <= set(cpu.compile_flags(avx2=True, avx512=True))
+    assert not set(cpu.AVX512_FLAGS) & set(cpu.compile_flags(avx2=True, avx512=False))
 
 
 @pytest.fixture(scope="module")
@@ -65,4 +71,25 @@ def test_portable_loops_take_the_padding_mask(portable, kb, vb):
         torch.testing.assert_close(out, ref, atol=kernel_atol(q, layer), rtol=FP32_RTOL)
         # the same int16 sums and the same masked blocks as the AVX2 build: float reordering only
         torch.testing.assert_close(out, packed_attention(q, layer, kernel="cpu", mask=mask), atol=FP32_ATOL,
+                                   rtol=FP32_RTOL)
+
+
+@pytest.fixture(scope="module")
+def avx2_only():
+    """The kernel built with AVX2 but not AVX-512, on a CPU whose default build takes the AVX-512 loops."""
+    if not set(cpu.AVX512_FLAGS) <= set(cpu.compile_flags()):
+        pytest.skip("this CPU's default build has no AVX-512 tier: the AVX2 loops are what every other test runs")
+    cpu.build(cpu.compile_flags(avx512=False), namespace=AVX2_NS)
+    return getattr(torch.ops, AVX2_NS).packed_attention
+
+
+@pytest.mark.parametrize("kb, vb", list(itertools.product([2, 4, 8, 16], repeat=2)))
+def test_avx512_tier_matches_avx2_loops(avx2_only, kb, vb):
+    for seed, (d, gq, n, l) in enumerate([(64, 3, 3 * 32 + 7, 1), (128, 7, 5 * 32 + 1, 2), (64, 1, 19, 1),
+                                          (128, 3, 300, 1)]):
+        q, layer = make_case(seed, 2, 2, gq, l, n, d, kb, vb)
+        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, None, 0)
+        # Same int16 query values and exact integer sums on the K side; per-lane V accumulation in the same
+        # token order: the tiers agree to fp32 reordering at most.
+        torch.testing.assert_close(packed_attention(q, layer, kernel="cpu"), avx2_only(*args), atol=FP32_ATOL,
                                    rtol=FP32_RTOL)

@@ -1,0 +1,149 @@
+// AVX-512 inner loops of moend_attn.cpp (built with -mavx512f -mavx512bw [-mavx512vnni] where the CPU has them):
+// the same maths and code order as the AVX2 loops of moend_attn_loops.h, on 16 lanes instead of 8.
+//
+// Why a second tier: on a CPU with full-width 512-bit units (e.g. AMD Zen 5) one zmm instruction does the work
+// of two ymm ones, and the kernel is bound by instruction throughput, not by memory (docs/kernels.md). Where a
+// layout does not fit the 16-lane unit (a V group narrower than 16 code bytes, an odd number of K units) the
+// AVX2 loops run instead.
+//
+// K side: a pair of 16-position units (the same int16 query values, the same code order) is one zmm; VNNI's
+// vpdpwssd does madd + add in one instruction. The integer sums are exact, so logits equal the AVX2 loop's up
+// to the order of the final float ops (none here: deq * sum + bias is the same expression).
+// V side: one 16-position unit (16 code bytes of one plane) is one zmm of fp32; all units of a row block stay
+// in registers for the whole block of tokens (one pass over the codes instead of one per pair of units).
+
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MOEND_AVX512 1
+
+#include <immintrin.h>
+
+#include "moend_attn_simd.h"
+
+namespace moend {
+
+// Units 2p and 2p+1 of token row `row` (W code bytes) as 32 int16 codes (unit v: chunk v / per, plane v % per).
+template <int KB>
+inline __m512i k_unit_pair(const uint8_t* row, int W, int p) {
+  constexpr int per = 8 / KB;
+  const int v0 = 2 * p, v1 = 2 * p + 1;
+  const __m128i c0 = code_plane<KB>(load_codes16(row + 16 * (v0 / per), W - 16 * (v0 / per)), v0 % per);
+  const __m128i c1 = code_plane<KB>(load_codes16(row + 16 * (v1 / per), W - 16 * (v1 / per)), v1 % per);
+  return _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(c0), c1, 1));
+}
+
+// acc + c . q over 32 int16 lanes, as 16 int32 partial sums.
+inline __m512i dot_i16(__m512i acc, __m512i c, __m512i q) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, c, q);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(c, q));
+#endif
+}
+
+// The 16 lanes of x folded to 8 (lane i + lane i + 8).
+inline __m256i fold16_epi32(__m512i x) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+}
+
+// Logits of n tokens of one K group, as k_dot_avx2 (same tmp layout and final hadd tree). NP = Dpk / 32.
+template <int KB, int NP>
+void k_dot_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s, float* lg, int ldl) {
+  const int W = a.Wk;
+  const int16_t* __restrict qbase = s.qi.data();
+  int32_t* __restrict tmp = s.tmp.data();  // [rows][4 token pairs][8 lanes]
+  for (int t8 = 0; t8 < n; t8 += 8) {
+    const int nt = std::min(8, n - t8);
+    const uint8_t* base = codes + static_cast<int64_t>(t8) * W;
+    for (int t = 0; t < 8; t += 2) {
+      __m512i c0[NP], c1[NP];
+      for (int p = 0; p < NP; ++p) {
+        c0[p] = t < nt ? k_unit_pair<KB>(base + static_cast<int64_t>(t) * W, W, p) : _mm512_setzero_si512();
+        c1[p] = t + 1 < nt ? k_unit_pair<KB>(base + static_cast<int64_t>(t + 1) * W, W, p) : _mm512_setzero_si512();
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int16_t* q = qbase + r * NP * 32;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const __m512i qv = _mm512_loadu_si512(q + 32 * p);
+          a0 = dot_i16(a0, c0[p], qv);
+          a1 = dot_i16(a1, c1[p], qv);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + (r * 4 + t / 2) * 8),
+                            _mm256_hadd_epi32(fold16_epi32(a0), fold16_epi32(a1)));
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      auto ld = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp + (r * 4 + i) * 8)); };
+      const __m256i x = _mm256_hadd_epi32(ld(0), ld(1)), y = _mm256_hadd_epi32(ld(2), ld(3));
+      const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+      const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(s.deq[r]), _mm256_set1_ps(s.bias[r]));
+      if (nt == 8) {
+        _mm256_storeu_ps(lg + r * ldl + t8, f);
+        continue;
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, f);
+      std::memcpy(lg + r * ldl + t8, out, nt * sizeof(float));
+    }
+  }
+}
+
+// One pass of the V loop over n tokens: NU units (16 code bytes at offset off[u], plane j[u], all in V group
+// grp[u]) for NR query rows; NR * NU <= 16 accumulators stay in registers.
+template <int VB, int NR, int NU>
+inline void v_pass_avx512(const uint8_t* codes, int W, const int* off, const int* j, const int* grp, int n, int ng,
+                          const float* const* wt, float* const* acc) {
+  __m512 a[NR][NU];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) a[r][u] = _mm512_loadu_ps(acc[r] + 16 * u);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* row = codes + static_cast<int64_t>(t) * W;
+    __m512 f[NU];
+    for (int u = 0; u < NU; ++u)
+      f[u] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code_plane<VB>(load_codes16(row + off[u], W - off[u]), j[u])));
+    for (int r = 0; r < NR; ++r) {
+      const float* w = wt[r] + t * ng;
+      for (int u = 0; u < NU; ++u) a[r][u] = _mm512_fmadd_ps(f[u], _mm512_set1_ps(w[grp[u]]), a[r][u]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);
+}
+
+// accp[r] += sum_t wt[r][t][g] * c_t over n packed tokens (needs wpg % 16 == 0: a unit lies in one V group).
+// Units in position order, four per pass, rows four at a time.
+template <int VB>
+void v_acc_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s) {
+  constexpr int per = 8 / VB, UP = 4;
+  const int nu = a.nchv * per, ng = a.ng, BT = s.BT;
+  for (int u0 = 0; u0 < nu; u0 += UP) {
+    const int cnt = std::min(UP, nu - u0);
+    int off[UP], j[UP], grp[UP];
+    for (int u = 0; u < UP; ++u) {
+      const int v = u0 + std::min(u, cnt - 1);
+      off[u] = 16 * (v / per), j[u] = v % per, grp[u] = std::min(ng - 1, off[u] / a.wpg);
+    }
+    for_row_blocks<4>(rows, [&](auto nr, int r0) {
+      constexpr int NR = decltype(nr)::value;
+      const float* wt[NR];
+      float* acc[NR];
+      for (int r = 0; r < NR; ++r) {
+        wt[r] = s.wt.data() + (r0 + r) * ng * BT;
+        acc[r] = s.accp.data() + (r0 + r) * a.Dpv + u0 * 16;
+      }
+      switch (cnt) {
+        case 4: v_pass_avx512<VB, NR, 4>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
+        case 3: v_pass_avx512<VB, NR, 3>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
+        case 2: v_pass_avx512<VB, NR, 2>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
+        default: v_pass_avx512<VB, NR, 1>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
+      }
+    });
+  }
+}
+
+}  // namespace moend
+
+#endif
