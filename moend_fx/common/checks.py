@@ -38,6 +38,11 @@ def check_choice(name: str, value: Any, allowed: Any, *, error: type[MoendError]
     """``value`` if it is in ``allowed`` (a StrEnum class or a collection of names), else ``error``.
 
     For a StrEnum the member is returned, so callers hold the enum whether they were given a str or a member."""
+    if isinstance(allowed, type) and isinstance(value, str):
+        try:  # the enum's own value lookup: no list of names on hot paths (e.g. every kernel call)
+            return allowed(value)
+        except ValueError:
+            pass
     names = [str(a) for a in allowed]
     if str(value) not in names or not isinstance(value, str):
         raise error(f"{name}={value!r} is unknown; allowed: {', '.join(names)}")

@@ -23,6 +23,41 @@
 
 namespace moend {
 
+// k_group_prep for Dpk = 32 * NP positions (D a multiple of 16): group g's (q*s) as int16 per row, its deq
+// factor and q.z, with the row's products held in registers between the max and the rounding. The same values
+// as the AVX2 prep: products, max and rounding (nearest even, saturating) are lane-wise; only the sum of q.z is
+// reduced in another order.
+template <int NP>
+inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, const at::Half* zp, Scratch& s) {
+  const int D = a.D;
+  to_float(sp, s.sf.data(), D);
+  to_float(zp, s.zf.data(), D);
+  s.sf[D] = 0.f;
+  __m512 sv[2 * NP];
+  for (int u = 0; u < 2 * NP; ++u)
+    sv[u] = _mm512_i32gather_ps(_mm512_loadu_si512(a.gatherk.data() + 16 * u), s.sf.data(), 4);
+  for (int r = 0; r < rows; ++r) {
+    const float* qp = s.qperm.data() + r * 32 * NP;
+    __m512 x[2 * NP];
+    __m512 mx = _mm512_setzero_ps();
+    for (int u = 0; u < 2 * NP; ++u) {
+      x[u] = _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * u), sv[u]);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x[u]));
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    const float* q = s.qsc.data() + r * D;
+    __m512 bz = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) bz = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(s.zf.data() + d), bz);
+    const __m512 mul = _mm512_set1_ps(m > 0.f ? a.qmax / m : 0.f);
+    int16_t* qi = s.qi.data() + r * 32 * NP;
+    for (int u = 0; u < 2 * NP; ++u)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + 16 * u),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[u], mul))));
+    s.deq[r] = m / a.qmax;
+    s.bias[r] = _mm512_reduce_add_ps(bz);
+  }
+}
+
 // Units 2p and 2p+1 of token row `row` (W code bytes) as 32 int16 codes (unit v: chunk v / per, plane v % per).
 template <int KB>
 inline __m512i k_unit_pair(const uint8_t* row, int W, int p) {
@@ -92,28 +127,37 @@ void k_dot_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
 }
 
 // One pass of the V loop over n tokens: NU units (16 code bytes at offset off[u], plane j[u], all in V group
-// grp[u]) for NR query rows; NR * NU <= 16 accumulators stay in registers.
+// grp[u]) for NR query rows; NR * NU <= 16 accumulators stay in registers. Every unit's 16 bytes lie inside
+// the W-byte row (a narrower row goes through the AVX2 loop), so the loads need no bounds check.
 template <int VB, int NR, int NU>
 inline void v_pass_avx512(const uint8_t* codes, int W, const int* off, const int* j, const int* grp, int n, int ng,
                           const float* const* wt, float* const* acc) {
   __m512 a[NR][NU];
   for (int r = 0; r < NR; ++r)
     for (int u = 0; u < NU; ++u) a[r][u] = _mm512_loadu_ps(acc[r] + 16 * u);
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* row = codes + static_cast<int64_t>(t) * W;
+  __m128i sh[NU];
+  for (int u = 0; u < NU; ++u) sh[u] = _mm_cvtsi32_si128(VB * j[u]);
+  const __m128i mask = _mm_set1_epi8(static_cast<char>((1 << VB) - 1));
+  const float* w[NR];
+  for (int r = 0; r < NR; ++r) w[r] = wt[r];
+  for (int t = 0; t < n; ++t, codes += W) {
     __m512 f[NU];
-    for (int u = 0; u < NU; ++u)
-      f[u] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code_plane<VB>(load_codes16(row + off[u], W - off[u]), j[u])));
+    for (int u = 0; u < NU; ++u) {
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + off[u]));
+      if constexpr (VB != 8) c = _mm_and_si128(_mm_srl_epi16(c, sh[u]), mask);
+      f[u] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+    }
     for (int r = 0; r < NR; ++r) {
-      const float* w = wt[r] + t * ng;
-      for (int u = 0; u < NU; ++u) a[r][u] = _mm512_fmadd_ps(f[u], _mm512_set1_ps(w[grp[u]]), a[r][u]);
+      for (int u = 0; u < NU; ++u) a[r][u] = _mm512_fmadd_ps(f[u], _mm512_set1_ps(w[r][grp[u]]), a[r][u]);
+      w[r] += ng;
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int u = 0; u < NU; ++u) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);
 }
 
-// accp[r] += sum_t wt[r][t][g] * c_t over n packed tokens (needs wpg % 16 == 0: a unit lies in one V group).
+// accp[r] += sum_t wt[r][t][g] * c_t over n packed tokens (needs wpg % 16 == 0: a unit lies in one V group, and
+// W % 16 == 0: whole 16-byte chunks).
 // Units in position order, four per pass, rows four at a time.
 template <int VB>
 void v_acc_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s) {
