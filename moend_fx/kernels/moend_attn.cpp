@@ -325,24 +325,6 @@ void finish_unit(const Args& a, int rows, const Scratch& s, float* acc) {
   }
 }
 
-// Prefetch the packed codes (and V's scales and zeros) of tokens [t0, t0 + n) into the cache: a block's K codes
-// and its V codes start new pages, where the hardware stream prefetchers start over (no fault: prefetches
-// never trap, and the ranges are clamped to the packed regions).
-inline void prefetch_block(const Args& a, int64_t bkv, int t0, int n) {
-  auto pf = [](const void* p, int64_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-  };
-  if (a.kbits != 16 && t0 < a.P)
-    pf(static_cast<const uint8_t*>(a.kp) + (bkv * a.P + t0) * a.Wk, int64_t(std::min(n, a.P - t0)) * a.Wk);
-  if (a.vbits != 16 && t0 < a.Pv) {
-    const int64_t m = std::min(n, a.Pv - t0), tok = bkv * a.Pv + t0;
-    pf(static_cast<const uint8_t*>(a.vp) + tok * a.Wv, m * a.Wv);
-    pf(a.vs + tok * a.ng, m * a.ng * 2);
-    pf(a.vz + tok * a.ng, m * a.ng * 2);
-  }
-}
-
 // Work unit u: attend its query rows over its token split, leaving (acc, m, l) partials in `part`.
 template <typename T>
 void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* part, KFn kfn, VFn vfn) {
@@ -373,7 +355,6 @@ void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* par
       t0 = t1;
       continue;
     }
-    if (t1 < t_end) prefetch_block(a, bkv, t1, std::min(BT, t_end - t1));
     (packed ? kfn : &k_residual<T>)(a, bkv, t0, n, rows, s, BT);
     for (int r = 0; r < rows; ++r)
       softmax_step(a, s, r, n, std::max(0, std::min(n, limit[r] - t0 + 1)),

@@ -91,6 +91,7 @@ void k_dot_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
   for (int t8 = 0; t8 < n; t8 += 8) {
     const int nt = std::min(8, n - t8);
     const uint8_t* base = codes + static_cast<int64_t>(t8) * W;
+    prefetch_ahead(base + kPrefetchK * W, 8 * W);
     for (int t = 0; t < 8; t += 2) {
       __m512i c0[NP], c1[NP];
       for (int p = 0; p < NP; ++p) {
@@ -156,6 +157,40 @@ inline void v_pass_avx512(const uint8_t* codes, int W, const int* off, const int
     for (int u = 0; u < NU; ++u) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);
 }
 
+// v_pass_avx512 for NC whole 16-byte chunks from byte k0 * 16 (all 8 / VB planes of each, in position order):
+// each chunk is loaded and widened to 16 int32 lanes once, its planes are then a shift and a mask apart (the
+// top plane needs no mask, plane 0 no shift). Chunk c lies in V group grp[c].
+template <int VB, int NR, int NC>
+inline void v_chunks_avx512(const uint8_t* codes, int W, int k0, const int* grp, int n, int ng,
+                            const float* const* wt, float* const* acc) {
+  constexpr int per = 8 / VB, NU = NC * per;
+  __m512 a[NR][NU];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) a[r][u] = _mm512_loadu_ps(acc[r] + 16 * u);
+  const __m512i mask = _mm512_set1_epi32((1 << VB) - 1);
+  const float* w[NR];
+  for (int r = 0; r < NR; ++r) w[r] = wt[r];
+  codes += 16 * k0;
+  for (int t = 0; t < n; ++t, codes += W) {
+    prefetch_ahead(codes + kPrefetchV * W, 1);
+    __m512 f[NU];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)));
+      for (int jj = 0; jj < per; ++jj) {
+        __m512i y = jj == 0 ? x : _mm512_srli_epi32(x, VB * jj);
+        if (jj + 1 < per) y = _mm512_and_si512(y, mask);
+        f[c * per + jj] = _mm512_cvtepi32_ps(y);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      for (int u = 0; u < NU; ++u) a[r][u] = _mm512_fmadd_ps(f[u], _mm512_set1_ps(w[r][grp[u / per]]), a[r][u]);
+      w[r] += ng;
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);
+}
+
 // accp[r] += sum_t wt[r][t][g] * c_t over n packed tokens (needs wpg % 16 == 0: a unit lies in one V group, and
 // W % 16 == 0: whole 16-byte chunks).
 // Units in position order, four per pass, rows four at a time.
@@ -177,6 +212,12 @@ void v_acc_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
       for (int r = 0; r < NR; ++r) {
         wt[r] = s.wt.data() + (r0 + r) * ng * BT;
         acc[r] = s.accp.data() + (r0 + r) * a.Dpv + u0 * 16;
+      }
+      if (cnt == UP) {  // whole chunks (u0 is a multiple of per): widen each chunk once
+        int cg[UP / per];
+        for (int c = 0; c < UP / per; ++c) cg[c] = grp[c * per];
+        v_chunks_avx512<VB, NR, UP / per>(codes, a.Wv, u0 / per, cg, n, ng, wt, acc);
+        return;
       }
       switch (cnt) {
         case 4: v_pass_avx512<VB, NR, 4>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;

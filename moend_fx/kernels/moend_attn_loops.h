@@ -142,6 +142,7 @@ void k_dot_avx2(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s
   for (int t8 = 0; t8 < n; t8 += 8) {
     const int nt = std::min(8, n - t8);
     const uint8_t* base = codes + static_cast<int64_t>(t8) * W;
+    prefetch_ahead(base + kPrefetchK * W, 8 * W);
     for (int t = 0; t < 8; t += 2) {
       __m256i c0[NV], c1[NV];
       k_unpack_row<KB, NV>(base, W, t, nt, c0);
@@ -284,6 +285,7 @@ inline void v_pass_avx2(const uint8_t* codes, int W, const int* off, const int* 
     for (int h = 0; h < 2 * NU; ++h) a[r][h] = _mm256_loadu_ps(acc[r] + 8 * h);
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = codes + static_cast<int64_t>(t) * W;
+    if (off[0] == 0) prefetch_ahead(row + kPrefetchV * W, 1);  // once per token: the pass that reads byte 0
     // One unit at a time (2 code vectors live, not 2 * NU): 12 accumulators + 2 + 1 broadcast fit 16 registers.
     for (int u = 0; u < NU; ++u) {
       const __m128i c = code_plane<VB>(load_codes16(row + off[u], W - off[u]), j[u]);
