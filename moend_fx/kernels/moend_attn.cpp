@@ -52,7 +52,7 @@ void k_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s
     const int m = std::min(a.G, n - i0);
 #ifdef MOEND_AVX512
     if constexpr (NV == 2 || NV == 4 || NV == 8) {
-      if (a.D % 16 == 0) k_group_prep_avx512<NV / 2>(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
+      if (a.D % 16 == 0) k_group_prep_avx512<KB, NV / 2>(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
       else k_group_prep(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
       k_dot_avx512<KB, NV / 2>(a, codes + static_cast<int64_t>(i0) * a.Wk, m, rows, s, s.lg.data() + i0, ldl);
       continue;
@@ -90,7 +90,12 @@ void k_residual(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s,
 template <int VB>
 void v_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, const float* p, int ldl, Scratch& s) {
   const int64_t tok0 = bkv * a.Pv + t0;
+#ifdef MOEND_AVX512
+  if (16 % a.ng == 0) v_block_prep_avx512(a, tok0, n, rows, p, ldl, s);
+  else v_block_prep(a, tok0, n, rows, p, ldl, s);
+#else
   v_block_prep(a, tok0, n, rows, p, ldl, s);
+#endif
   const uint8_t* codes = static_cast<const uint8_t*>(a.vp) + tok0 * a.Wv;
 #ifdef MOEND_AVX512
   if (a.wpg % 16 == 0 && a.Wv % 16 == 0) return v_acc_avx512<VB>(a, codes, n, rows, s);

@@ -2,9 +2,9 @@
 // the same maths and code order as the AVX2 loops of moend_attn_loops.h, on 16 lanes instead of 8.
 //
 // Why a second tier: on a CPU with full-width 512-bit units (e.g. AMD Zen 5) one zmm instruction does the work
-// of two ymm ones, and the kernel is bound by instruction throughput, not by memory (docs/kernels.md). Where a
-// layout does not fit the 16-lane unit (a V group narrower than 16 code bytes, an odd number of K units) the
-// AVX2 loops run instead.
+// of two ymm ones, and once its code rows are prefetched the kernel is bound by instructions (docs/kernels.md).
+// Where a layout does not fit the 16-lane unit (a V group narrower than 16 code bytes, an odd number of K units)
+// the AVX2 loops run instead.
 //
 // K side: a pair of 16-position units (the same int16 query values, the same code order) is one zmm; VNNI's
 // vpdpwssd does madd + add in one instruction. The integer sums are exact, so logits equal the AVX2 loop's up
@@ -27,15 +27,32 @@ namespace moend {
 // factor and q.z, with the row's products held in registers between the max and the rounding. The same values
 // as the AVX2 prep: products, max and rounding (nearest even, saturating) are lane-wise; only the sum of q.z is
 // reduced in another order.
-template <int NP>
+// The scales are put in position order by permutes where a unit's channels lie in one or two zmm (8 and 4
+// bits with whole 16-byte chunks: unit (k, j) is channels 16k*per + i*per + j), by a gather otherwise.
+template <int KB, int NP>
 inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, const at::Half* zp, Scratch& s) {
+  constexpr int per = 8 / KB;
   const int D = a.D;
   to_float(sp, s.sf.data(), D);
   to_float(zp, s.zf.data(), D);
   s.sf[D] = 0.f;
   __m512 sv[2 * NP];
-  for (int u = 0; u < 2 * NP; ++u)
-    sv[u] = _mm512_i32gather_ps(_mm512_loadu_si512(a.gatherk.data() + 16 * u), s.sf.data(), 4);
+  if (per <= 2 && a.Wk % 16 == 0) {
+    const float* sf = s.sf.data();
+    for (int u = 0; u < 2 * NP; ++u) {
+      const int k = u / per, j = u % per;
+      if constexpr (per == 1) {
+        sv[u] = _mm512_loadu_ps(sf + 16 * k);
+      } else {
+        const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1), _mm512_set1_epi32(j));
+        sv[u] = _mm512_permutex2var_ps(_mm512_loadu_ps(sf + 32 * k), idx, _mm512_loadu_ps(sf + 32 * k + 16));
+      }
+    }
+  } else {
+    for (int u = 0; u < 2 * NP; ++u)
+      sv[u] = _mm512_i32gather_ps(_mm512_loadu_si512(a.gatherk.data() + 16 * u), s.sf.data(), 4);
+  }
   for (int r = 0; r < rows; ++r) {
     const float* qp = s.qperm.data() + r * 32 * NP;
     __m512 x[2 * NP];
@@ -55,6 +72,38 @@ inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, con
                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[u], mul))));
     s.deq[r] = m / a.qmax;
     s.bias[r] = _mm512_reduce_add_ps(bz);
+  }
+}
+
+// v_block_prep on 16 lanes (16 % ng == 0: lane l is token t + l / ng, group l % ng): the block's weights
+// wt[r][t*ng + g] = p_rt * s_tg and zacc[r][g] += sum_t p_rt z_tg; the same products, the zero sums folded in
+// another order.
+inline void v_block_prep_avx512(const Args& a, int64_t tok0, int n, int rows, const float* p, int ldl, Scratch& s) {
+  const int ng = a.ng, nu = n * ng, step = 16 / ng;
+  to_float(a.vs + tok0 * ng, s.sf.data(), nu);
+  to_float(a.vz + tok0 * ng, s.zf.data(), nu);
+  const __m512i idx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(__builtin_ctz(static_cast<unsigned>(ng))));
+  const __mmask16 pm = static_cast<__mmask16>((1u << step) - 1);
+  for (int r = 0; r < rows; ++r) {
+    const float* pr = p + r * ldl;
+    float* w = s.wt.data() + r * ng * s.BT;
+    __m512 zs = _mm512_setzero_ps();
+    int u = 0;
+    for (int t = 0; u + 16 <= nu; u += 16, t += step) {
+      const __m512 pe = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(pm, pr + t));
+      _mm512_storeu_ps(w + u, _mm512_mul_ps(pe, _mm512_loadu_ps(s.sf.data() + u)));
+      zs = _mm512_fmadd_ps(pe, _mm512_loadu_ps(s.zf.data() + u), zs);
+    }
+    alignas(64) float z16[16];
+    _mm512_store_ps(z16, zs);
+    float* zacc = s.zacc.data() + r * ng;
+    for (int l = 0; l < 16; ++l) zacc[l % ng] += z16[l];
+    for (int t = u / ng; t < n; ++t)
+      for (int g = 0; g < ng; ++g) {
+        w[t * ng + g] = pr[t] * s.sf[t * ng + g];
+        zacc[g] += pr[t] * s.zf[t * ng + g];
+      }
   }
 }
 
