@@ -99,11 +99,7 @@ inline void v_block_prep_avx512(const Args& a, int64_t tok0, int n, int rows, co
     _mm512_store_ps(z16, zs);
     float* zacc = s.zacc.data() + r * ng;
     for (int l = 0; l < 16; ++l) zacc[l % ng] += z16[l];
-    for (int t = u / ng; t < n; ++t)
-      for (int g = 0; g < ng; ++g) {
-        w[t * ng + g] = pr[t] * s.sf[t * ng + g];
-        zacc[g] += pr[t] * s.zf[t * ng + g];
-      }
+    v_prep_tail(s, pr, u / ng, n, ng, w, zacc);
   }
 }
 
@@ -160,19 +156,7 @@ void k_dot_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
                             _mm256_hadd_epi32(fold16_epi32(a0), fold16_epi32(a1)));
       }
     }
-    for (int r = 0; r < rows; ++r) {
-      auto ld = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp + (r * 4 + i) * 8)); };
-      const __m256i x = _mm256_hadd_epi32(ld(0), ld(1)), y = _mm256_hadd_epi32(ld(2), ld(3));
-      const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
-      const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(s.deq[r]), _mm256_set1_ps(s.bias[r]));
-      if (nt == 8) {
-        _mm256_storeu_ps(lg + r * ldl + t8, f);
-        continue;
-      }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, f);
-      std::memcpy(lg + r * ldl + t8, out, nt * sizeof(float));
-    }
+    finish_logits8(tmp, rows, s, lg + t8, ldl, nt);
   }
 }
 

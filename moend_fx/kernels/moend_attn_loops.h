@@ -120,6 +120,25 @@ inline void k_group_prep(const Args& a, int rows, const at::Half* sp, const at::
 }
 
 #ifdef __AVX2__
+// The logits of 8 tokens from their per-pair partial sums tmp[r][4 pairs][8 lanes] (the rest of the hadd tree of
+// hsum8x8_epi32, whose first level the K loops do per token pair): lg[r*ldl + i] = deq[r] * sum_i + bias[r], for
+// the first nt tokens.
+inline void finish_logits8(const int32_t* tmp, int rows, const Scratch& s, float* lg, int ldl, int nt) {
+  for (int r = 0; r < rows; ++r) {
+    auto ld = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp + (r * 4 + i) * 8)); };
+    const __m256i x = _mm256_hadd_epi32(ld(0), ld(1)), y = _mm256_hadd_epi32(ld(2), ld(3));
+    const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+    const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(s.deq[r]), _mm256_set1_ps(s.bias[r]));
+    if (nt == 8) {  // the common case: one store, no copy through a stack buffer
+      _mm256_storeu_ps(lg + r * ldl, f);
+      continue;
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, f);
+    std::memcpy(lg + r * ldl, out, nt * sizeof(float));
+  }
+}
+
 // Logits of n tokens of one K group: lg[r*ldl + i] = deq[r] * (qi[r] . c_i) + bias[r]. NV = Dpk / 16.
 template <int KB, int NV>
 inline void k_unpack_row(const uint8_t* codes, int W, int t, int nt, __m256i* cv) {
@@ -160,20 +179,7 @@ void k_dot_avx2(const Args& a, const uint8_t* codes, int n, int rows, Scratch& s
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + (r * 4 + t / 2) * 8), _mm256_hadd_epi32(a0, a1));
       }
     }
-    for (int r = 0; r < rows; ++r) {
-      // The rest of the hadd tree of hsum8x8_epi32 (its first level was done per pair above).
-      auto ld = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp + (r * 4 + i) * 8)); };
-      const __m256i x = _mm256_hadd_epi32(ld(0), ld(1)), y = _mm256_hadd_epi32(ld(2), ld(3));
-      const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
-      const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(s.deq[r]), _mm256_set1_ps(s.bias[r]));
-      if (nt == 8) {  // the common case: one store, no copy through a stack buffer
-        _mm256_storeu_ps(lg + r * ldl + t8, f);
-        continue;
-      }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, f);
-      std::memcpy(lg + r * ldl + t8, out, nt * sizeof(float));
-    }
+    finish_logits8(tmp, rows, s, lg + t8, ldl, nt);
   }
 }
 
@@ -238,6 +244,15 @@ void k_raw_scalar(const T* base, int n, int rows, int D, Scratch& s, float* lg, 
 
 // ------------------------------------------------------------------------------------------------ V side
 
+// Tokens [t0, n) of v_block_prep for one row, one at a time (pr: the row's weights p, w / zacc its outputs).
+inline void v_prep_tail(const Scratch& s, const float* pr, int t0, int n, int ng, float* w, float* zacc) {
+  for (int t = t0; t < n; ++t)
+    for (int g = 0; g < ng; ++g) {
+      w[t * ng + g] = pr[t] * s.sf[t * ng + g];
+      zacc[g] += pr[t] * s.zf[t * ng + g];
+    }
+}
+
 // Per block of n packed tokens: weights wt[r][t*ng + g] = p_rt * s_tg, and zacc[r][g] += sum_t p_rt z_tg.
 // (scales and zeros are [tokens, ng] in memory: one block is n*ng contiguous halves, read with F16C.)
 inline void v_block_prep(const Args& a, int64_t tok0, int n, int rows, const float* p, int ldl, Scratch& s) {
@@ -264,11 +279,7 @@ inline void v_block_prep(const Args& a, int64_t tok0, int n, int rows, const flo
       for (int l = 0; l < 8; ++l) zacc[l % ng] += z8[l];
     }
 #endif
-    for (int t = u / ng; t < n; ++t)
-      for (int g = 0; g < ng; ++g) {
-        w[t * ng + g] = pr[t] * s.sf[t * ng + g];
-        zacc[g] += pr[t] * s.zf[t * ng + g];
-      }
+    v_prep_tail(s, pr, u / ng, n, ng, w, zacc);
   }
 }
 

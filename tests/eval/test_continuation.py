@@ -1,4 +1,5 @@
-"""Teacher-forced continuation KL on a tiny random model: what it measures, and resuming a stopped run."""
+"""Teacher-forced continuation KL on a tiny random model (tests/eval/conftest.py): what it measures, and resuming
+a stopped run."""
 
 from __future__ import annotations
 
@@ -7,23 +8,10 @@ import json
 import pytest
 import torch
 
-from moend_fx.calibration.pipeline import calibrate
 from moend_fx.common.errors import MoendError
 from moend_fx.eval import continuation as cont_mod
 from moend_fx.eval.continuation import continuation_eval, sequence_digest
 from moend_fx.eval.report import markdown_continuation, summarize_continuation, write_report
-from moend_fx.models import tiny_model
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=1)
-
-
-@pytest.fixture(scope="module")
-def table(model):
-    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(0))
-    return calibrate(model, token_ids=ids)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from moend_fx.calibration.pipeline import calibrate
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
@@ -44,18 +43,6 @@ class ByteTokenizer:
 
 TOK = ByteTokenizer()
 MOEND_METHODS = ("lossless", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero", "2d_hetero_exact")
-
-
-@pytest.fixture(scope="module")
-def model():
-    # 3 layers so per-layer plans differ from uniform ones; GQA (4 query heads over 2 KV heads).
-    return tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=1)
-
-
-@pytest.fixture(scope="module")
-def table(model):
-    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(0))
-    return calibrate(model, token_ids=ids)
 
 
 @pytest.fixture(scope="module")
