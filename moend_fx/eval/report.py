@@ -23,6 +23,7 @@ from moend_fx.eval.report_markdown import (
     BASELINES,
     headline,
     markdown_continuation,
+    markdown_continuation_paired,
     markdown_headline,
     markdown_report,
     markdown_tables,
@@ -31,6 +32,7 @@ from moend_fx.eval.summary import (
     AVG,
     METHOD_ORDER,
     mean_or_none,
+    paired_continuation,
     stratified_bootstrap,
     summarize_continuation,
     summarize_records,
@@ -38,6 +40,7 @@ from moend_fx.eval.summary import (
 
 # Summary rows (moend_fx.eval.summary) and Markdown (moend_fx.eval.report_markdown) are part of this API.
 __all__ = ["AVG", "BASELINES", "METHOD_ORDER", "headline", "load_records", "markdown_continuation",
+           "markdown_continuation_paired", "paired_continuation",
            "markdown_headline", "markdown_report", "markdown_tables", "plot_accuracy_vs_bytes",
            "stratified_bootstrap", "summarize_continuation", "summarize_records", "write_report"]
 
@@ -104,8 +107,10 @@ def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, *, meta
            "records": list(records), **(extra or {})}
     md = markdown_report(rows, meta) if records else ""
     if continuation:
-        doc["continuation"] = {"summary": summarize_continuation(continuation), "records": list(continuation)}
-        md += ("\n" if md else "") + markdown_continuation(doc["continuation"]["summary"])
+        doc["continuation"] = {"summary": summarize_continuation(continuation),
+                               "paired": paired_continuation(continuation), "records": list(continuation)}
+        md += (("\n" if md else "") + markdown_continuation(doc["continuation"]["summary"]) + "\n"
+               + markdown_continuation_paired(doc["continuation"]["paired"]))
     paths = {
         "json": atomic_write_text(out / "results.json", json.dumps(doc, indent=1, default=str)),
         "md": atomic_write_text(out / "results.md", md),

@@ -144,3 +144,18 @@ def markdown_continuation(rows: Sequence[dict[str, Any]]) -> str:
         out.append(f"| {r['context_length']} | {_label(r)} | {r['n']} | {r['kl']:.4f} | {r['loss']:.3f} "
                    f"({r['loss_full']:.3f}) | {format_bytes(r['measured_bytes'])} | {r['ratio16']:.2f} |")
     return "\n".join(out) + "\n"
+
+
+def markdown_continuation_paired(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    ref = rows[0]["reference"]
+    out = [f"#### Paired: each method's KL minus `{ref}`'s on the same sequences (> 0: `{ref}` is closer to the "
+           "full cache; +- two standard errors)\n",
+           f"| context | budget | method | n | KL difference | relative to the method's KL | `{ref}` lower on |",
+           "|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        rel = f"{100 * r['rel']:+.0f}%" if r["rel"] is not None else "-"
+        out.append(f"| {r['context_length']} | {r['budget']} | {r['method']} | {r['n']} | {r['diff']:+.4f} +- "
+                   f"{r['diff_ci']:.4f} | {rel} | {r['ref_lower']}/{r['n']} |")
+    return "\n".join(out) + "\n"

@@ -130,3 +130,30 @@ def summarize_continuation(records: Iterable[dict[str, Any]]) -> list[dict[str, 
                          continuation_tokens=mean_or_none([r["continuation_tokens"] for r in rs])))
     rows.sort(key=lambda r: (r["context_length"], budget_key(r["budget"]), order.get(r["method"], len(order))))
     return rows
+
+
+def paired_continuation(records: Iterable[dict[str, Any]], reference: str = "2d_hetero") -> list[dict[str, Any]]:
+    """Per (context length, budget, method) a paired comparison with ``reference`` at the same budget over the
+    sequences both ran: ``diff`` = mean of KL(method) - KL(reference) (> 0: the reference is closer to the full
+    cache), ``diff_ci`` = two standard errors of that mean, ``ref_lower`` = sequences where the reference's KL is
+    lower, ``rel`` = diff / the method's mean KL. Methods without a budget (full, peers) are not paired."""
+    kl: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in records:
+        if r.get("kl") is not None:
+            kl[(r.get("context_length", r["context_tokens"]), r["budget"], r["method"])][r["sequence"]] = r["kl"]
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    rows = []
+    for (length, budget, method), other in kl.items():
+        ref = kl.get((length, budget, reference), {})
+        common = sorted(set(other) & set(ref))
+        if method == reference or budget is None or len(common) < 2:
+            continue
+        d = [other[i] - ref[i] for i in common]
+        mean = sum(d) / len(d)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+        base = sum(other[i] for i in common) / len(common)
+        rows.append(dict(context_length=length, budget=budget, method=method, reference=reference, n=len(d),
+                         diff=mean, diff_ci=2 * sd / math.sqrt(len(d)), ref_lower=sum(x > 0 for x in d),
+                         rel=mean / base if base > 0 else None))
+    rows.sort(key=lambda r: (r["context_length"], budget_key(r["budget"]), order.get(r["method"], len(order))))
+    return rows

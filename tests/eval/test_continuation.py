@@ -11,7 +11,13 @@ import torch
 from moend_fx.common.errors import MoendError
 from moend_fx.eval import continuation as cont_mod
 from moend_fx.eval.continuation import continuation_eval, sequence_digest
-from moend_fx.eval.report import markdown_continuation, summarize_continuation, write_report
+from moend_fx.eval.report import (
+    markdown_continuation,
+    markdown_continuation_paired,
+    paired_continuation,
+    summarize_continuation,
+    write_report,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +100,28 @@ def test_continuation_only_report(model, table, ids, tmp_path):
     assert set(written) == {"json", "md"}  # no accuracy plot without task records
     doc = json.loads(written["json"].read_text())
     assert doc["records"] == [] and len(doc["continuation"]["records"]) == 2
+    assert doc["continuation"]["paired"] == []  # one sequence: nothing to pair
     assert written["md"].read_text().startswith("### Teacher-forced continuation")
     with pytest.raises(MoendError, match="no records"):
         write_report([], tmp_path, meta={})
+
+
+def _rec(seq, method, budget, kl, length=100):
+    return dict(sequence=seq, context_length=length, context_tokens=length, method=method, budget=budget, kl=kl)
+
+
+def test_paired_continuation_against_the_reference():
+    recs = [_rec(0, "2d_hetero", "8x", 0.1), _rec(1, "2d_hetero", "8x", 0.2), _rec(2, "2d_hetero", "8x", 0.3),
+            _rec(0, "pyramid", "8x", 0.3), _rec(1, "pyramid", "8x", 0.3), _rec(2, "pyramid", "8x", 0.2),
+            _rec(0, "full", None, 0.0), _rec(1, "full", None, 0.0), _rec(0, "pyramid", "14x", 0.5)]
+    rows = paired_continuation(recs)
+    assert len(rows) == 1  # full has no budget; pyramid at 14x has no 2d_hetero to pair with
+    (r,) = rows
+    assert (r["method"], r["budget"], r["n"], r["ref_lower"]) == ("pyramid", "8x", 3, 2)
+    assert r["diff"] == pytest.approx((0.2 + 0.1 - 0.1) / 3)
+    sd = float(torch.tensor([0.2, 0.1, -0.1], dtype=torch.float64).std())
+    assert r["diff_ci"] == pytest.approx(2 * sd / 3 ** 0.5)
+    assert r["rel"] == pytest.approx(r["diff"] / (0.8 / 3))
+    md = markdown_continuation_paired(rows)
+    assert "| 100 | 8x | pyramid | 3 |" in md and "2/3" in md
+    assert markdown_continuation_paired([]) == ""
