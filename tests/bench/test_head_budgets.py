@@ -19,10 +19,10 @@ from moend_fx.eval.steps import EVAL_ATTN, eval_attention_on, prefill
 from moend_fx.eval.tasks.registry import make_examples
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
 from moend_fx.storage.packed import PackedKV
-from tests.eval import test_runner
+from tests.eval import conftest as eval_fixtures
 from tests.eval.test_runner import TOK
 
-model, table = test_runner.model, test_runner.table  # the evaluation tests' tiny model and its table
+model, table = eval_fixtures.model, eval_fixtures.table  # the evaluation tests' tiny model and its table
 
 
 class _Module:
