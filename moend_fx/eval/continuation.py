@@ -98,6 +98,7 @@ class _ContinuationRun:
     def sequence(self, i: int, row: torch.Tensor, context_length: int) -> list[dict[str, Any]]:
         """The records of sequence ``i`` (``row`` [T] token ids; its first ``context_length`` are the context)."""
         ctx, cont = row[:context_length].tolist(), row[context_length:]
+        digest = sequence_digest(row)
         state = prefill(self.model, ctx, window=self.cfg.window)
         T = state.length
         target = cont[1:].to(self.dev)
@@ -105,7 +106,7 @@ class _ContinuationRun:
         loss_full = float(torch.nn.functional.nll_loss(ref_lp[:-1], target))
         out: list[dict[str, Any]] = []
         for spec, budget in mth.method_runs(self.cfg.methods, self.cfg.budgets):
-            rec: dict[str, Any] = dict(sequence=i, context_length=context_length, digest=sequence_digest(row),
+            rec: dict[str, Any] = dict(sequence=i, context_length=context_length, digest=digest,
                                        context_tokens=T,
                                        continuation_tokens=int(cont.numel()),
                                        method=spec.name, budget=budget, loss_full=loss_full,

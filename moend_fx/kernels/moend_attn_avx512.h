@@ -246,14 +246,13 @@ void v_acc_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
         wt[r] = s.wt.data() + (r0 + r) * ng * BT;
         acc[r] = s.accp.data() + (r0 + r) * a.Dpv + u0 * 16;
       }
-      if (cnt == UP) {  // whole chunks (u0 is a multiple of per): widen each chunk once
+      if (cnt == UP) {  // whole chunks (u0 is a multiple of per): widen each chunk once; else a tail of units
         int cg[UP / per];
         for (int c = 0; c < UP / per; ++c) cg[c] = grp[c * per];
         v_chunks_avx512<VB, NR, UP / per>(codes, a.Wv, u0 / per, cg, n, ng, wt, acc);
         return;
       }
       switch (cnt) {
-        case 4: v_pass_avx512<VB, NR, 4>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
         case 3: v_pass_avx512<VB, NR, 3>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
         case 2: v_pass_avx512<VB, NR, 2>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
         default: v_pass_avx512<VB, NR, 1>(codes, a.Wv, off, j, grp, n, ng, wt, acc); break;
