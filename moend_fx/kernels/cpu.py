@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("moend_attn.cpp")
 HEADERS = tuple(SOURCE.with_name(f"moend_attn_{part}.h") for part in ("simd", "loops", "avx512"))
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # the AVX-512 tier needs all three
+VNNI_FLAG = "-mavx512vnni"  # the AVX-512 tier's K loop over 16 tokens per register (vpdpbusd)
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "error": None}
 
@@ -54,10 +55,10 @@ def torch_uses_openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def compile_flags(avx2: bool | None = None, avx512: bool | None = None) -> list[str]:
+def compile_flags(avx2: bool | None = None, avx512: bool | None = None, vnni: bool | None = None) -> list[str]:
     """-O3 (+ -fopenmp when torch uses OpenMP), plus AVX2/FMA/F16C when this CPU has them (CI builds on the
     machine that runs it), plus AVX-512 F/BW/VL (+ VNNI) when it has those too. ``avx2=False`` forces the
-    portable loops, ``avx512=False`` the AVX2 ones (tests)."""
+    portable loops, ``avx512=False`` the AVX2 ones, ``vnni=False`` the AVX-512 tier's pair K loop (tests)."""
     flags = ["-O3", "-fopenmp" if torch_uses_openmp() else "-fopenmp-simd"]
     have = _cpu_flags()
     if avx2 is None:
@@ -68,7 +69,9 @@ def compile_flags(avx2: bool | None = None, avx512: bool | None = None) -> list[
         avx512 = {"avx512f", "avx512bw", "avx512vl"} <= have
     if not avx512:
         return flags + AVX2_FLAGS
-    return flags + AVX2_FLAGS + AVX512_FLAGS + (["-mavx512vnni"] if "avx512_vnni" in have else [])
+    if vnni is None:
+        vnni = "avx512_vnni" in have
+    return flags + AVX2_FLAGS + AVX512_FLAGS + ([VNNI_FLAG] if vnni else [])
 
 
 def _build_name(flags: list[str], prefix: str = "moend_attn") -> str:

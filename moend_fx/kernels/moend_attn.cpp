@@ -52,6 +52,13 @@ void k_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s
     const int m = std::min(a.G, n - i0);
 #ifdef MOEND_AVX512
     if constexpr (NV == 2 || NV == 4 || NV == 8) {
+#ifdef MOEND_VNNI
+      if (a.D % 16 == 0 && a.Wk % 16 == 0) {
+        k_group_prep_avx512<KB, NV / 2, true>(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
+        k_dot_vnni<KB, NV / 2>(a, codes + static_cast<int64_t>(i0) * a.Wk, m, rows, s, s.lg.data() + i0, ldl);
+        continue;
+      }
+#endif
       if (a.D % 16 == 0) k_group_prep_avx512<KB, NV / 2>(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
       else k_group_prep(a, rows, a.ks + g * a.D, a.kz + g * a.D, s);
       k_dot_avx512<KB, NV / 2>(a, codes + static_cast<int64_t>(i0) * a.Wk, m, rows, s, s.lg.data() + i0, ldl);
@@ -466,7 +473,9 @@ void fill_shapes(Args& a, const at::Tensor& q, const at::Tensor& k_packed, const
   a.ng = a.D / a.Gv;
   a.wpg = a.Gv / a.vper;
   const int maxcode = a.kbits == 16 ? 1 : (1 << a.kbits) - 1;
-  a.qmax = static_cast<float>(std::min<int64_t>(32767, 2147483647LL / (int64_t{a.Dpk} * maxcode)));
+  // 32639 = 127 * 256 + 127: the largest |qi| whose int8 halves (the VNNI K loop) fit; every loop uses it, so
+  // the tiers round q alike.
+  a.qmax = static_cast<float>(std::min<int64_t>(32639, 2147483647LL / (int64_t{a.Dpk} * maxcode)));
 }
 
 // The padding mask's row pointer and strides (null when there is none): bool [B, 1 or H, L, S], tokens contiguous.

@@ -29,7 +29,10 @@ namespace moend {
 // reduced in another order.
 // The scales are put in position order by permutes where a unit's channels lie in one or two zmm (8 and 4
 // bits with whole 16-byte chunks: unit (k, j) is channels 16k*per + i*per + j), by a gather otherwise.
-template <int KB, int NP>
+// kSplit (the VNNI dot, k_dot_vnni): each int16 value is stored as two int8 halves, qi = 256 * qh + ql with
+// ql in [-128, 127], instead of as int16 (|qi| <= 32639 = 127 * 256 + 127 keeps qh in int8), 64 * ceil(NP / 2)
+// bytes per row in split_offset's order.
+template <int KB, int NP, bool kSplit = false>
 inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, const at::Half* zp, Scratch& s) {
   constexpr int per = 8 / KB;
   const int D = a.D;
@@ -66,10 +69,33 @@ inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, con
     __m512 bz = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16) bz = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(s.zf.data() + d), bz);
     const __m512 mul = _mm512_set1_ps(m > 0.f ? a.qmax / m : 0.f);
-    int16_t* qi = s.qi.data() + r * 32 * NP;
-    for (int u = 0; u < 2 * NP; ++u)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + 16 * u),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[u], mul))));
+    if constexpr (kSplit) {
+      // Four units at a time, narrowed by packs (in-lane: 128-bit lane i of the result holds dword i of each of
+      // the four units, the order split_offset reads); halves taken on int16, no value saturates.
+      constexpr int NQ = (2 * NP + 3) / 4;
+      int8_t* qh = s.qh.data() + r * 64 * NQ;
+      int8_t* ql = s.ql.data() + r * 64 * NQ;
+      const __m512i c128 = _mm512_set1_epi16(128);
+      for (int g4 = 0; g4 < NQ; ++g4) {
+        __m512i v[4];
+        for (int i = 0; i < 4; ++i) {
+          const int u = 4 * g4 + i;
+          v[i] = u < 2 * NP ? _mm512_cvtps_epi32(_mm512_mul_ps(x[u], mul)) : _mm512_setzero_si512();
+        }
+        const __m512i w0 = _mm512_packs_epi32(v[0], v[1]), w1 = _mm512_packs_epi32(v[2], v[3]);
+        const __m512i h0 = _mm512_srai_epi16(_mm512_add_epi16(w0, c128), 8);
+        const __m512i h1 = _mm512_srai_epi16(_mm512_add_epi16(w1, c128), 8);
+        const __m512i l0 = _mm512_sub_epi16(w0, _mm512_slli_epi16(h0, 8));
+        const __m512i l1 = _mm512_sub_epi16(w1, _mm512_slli_epi16(h1, 8));
+        _mm512_storeu_si512(qh + 64 * g4, _mm512_packs_epi16(h0, h1));
+        _mm512_storeu_si512(ql + 64 * g4, _mm512_packs_epi16(l0, l1));
+      }
+    } else {
+      int16_t* qi = s.qi.data() + r * 32 * NP;
+      for (int u = 0; u < 2 * NP; ++u)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + 16 * u),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[u], mul))));
+    }
     s.deq[r] = m / a.qmax;
     s.bias[r] = _mm512_reduce_add_ps(bz);
   }
@@ -159,6 +185,101 @@ void k_dot_avx512(const Args& a, const uint8_t* codes, int n, int rows, Scratch&
     finish_logits8(tmp, rows, s, lg + t8, ldl, nt);
   }
 }
+
+#ifdef __AVX512VNNI__
+#define MOEND_VNNI 1
+// The VNNI K loop: 16 tokens per zmm, lane l = token l, so a logit is a lane's sum and needs no horizontal
+// reduction (the pair loop above spends more instructions folding its sums than dotting).
+//
+// Chunk k (16 code bytes) of 16 token rows becomes 4 zmm by a 4x4 dword transpose inside each 128-bit lane:
+// zmm m, lane l = bytes 4m .. 4m+3 of token l's chunk k. Plane j of those bytes (a shift and a mask) is 4 codes
+// per lane at positions (k*per + j)*16 + 4m + 0..3 (the position order of moend_attn_loops.h), dotted with
+// vpdpbusd (u8 codes x s8 query) against the query's int8 halves at those positions (split_offset), broadcast:
+// sum_d c*qi = 256 * sum_d c*qh + sum_d c*ql. The int32 sums are exact (qi as in the int16 loops, whose range
+// keeps the total inside int32; a wrapped intermediate 256 * hi cancels), so the logits equal the AVX2 loop's.
+
+// Rows t .. t+15's chunk k as the four zmm of the transpose (rows >= nt read as 0).
+template <bool kFull>
+inline void transpose_chunk16(const uint8_t* base, int W, int k, int nt, __m512i* o) {
+  __m512i z[4];
+  for (int p = 0; p < 4; ++p) {
+    __m512i x = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const int t = p + 4 * j;
+      if (kFull || t < nt) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + static_cast<int64_t>(t) * W + 16 * k));
+        x = j == 0 ? _mm512_castsi128_si512(c) : _mm512_inserti32x4(x, c, j);
+      }
+    }
+    z[p] = x;
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  o[0] = _mm512_unpacklo_epi64(t0, t2), o[1] = _mm512_unpackhi_epi64(t0, t2);
+  o[2] = _mm512_unpacklo_epi64(t1, t3), o[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Byte offset, in a row of k_group_prep_avx512's split query, of the 4 values at positions 16v + 4m .. +3.
+constexpr int split_offset(int v, int m) { return (v / 4) * 64 + (4 * m + v % 4) * 4; }
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return _mm512_set1_epi32(x);
+}
+
+// Logits of tokens t .. t+nt-1 (nt <= 16) for NR rows starting at r0.
+template <int KB, int NP, int NR, bool kFull>
+inline void k_block16_vnni(const Args& a, const uint8_t* base, int nt, int r0, const Scratch& s, float* lg,
+                           int ldl) {
+  constexpr int per = 8 / KB, NCH = 2 * NP / per, RB = 64 * ((2 * NP + 3) / 4);
+  const int W = a.Wk;
+  __m512i hi[NR], lo[NR];
+  for (int r = 0; r < NR; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << KB) - 1));
+  for (int k = 0; k < NCH; ++k) {
+    __m512i o[4];
+    transpose_chunk16<kFull>(base, W, k, nt, o);
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+#pragma GCC unroll 4
+      for (int j = 0; j < per; ++j) {
+        __m512i c = j == 0 ? o[m] : _mm512_srli_epi32(o[m], KB * j);
+        if constexpr (KB != 8) c = _mm512_and_si512(c, mask);
+        const int off = split_offset(k * per + j, m);
+        for (int r = 0; r < NR; ++r) {
+          hi[r] = _mm512_dpbusd_epi32(hi[r], c, bcast4(s.qh.data() + (r0 + r) * RB + off));
+          lo[r] = _mm512_dpbusd_epi32(lo[r], c, bcast4(s.ql.data() + (r0 + r) * RB + off));
+        }
+      }
+    }
+  }
+  const __mmask16 keep = kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nt) - 1);
+  for (int r = 0; r < NR; ++r) {
+    const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]);
+    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_set1_ps(s.deq[r0 + r]),
+                                     _mm512_set1_ps(s.bias[r0 + r]));
+    _mm512_mask_storeu_ps(lg + (r0 + r) * ldl, keep, f);
+  }
+}
+
+// Logits of n tokens of one K group: lg[r*ldl + i] = deq[r] * (qi[r] . c_i) + bias[r]. NP = Dpk / 32; needs
+// W % 16 == 0 (whole chunks) and the split query of k_group_prep_avx512<KB, NP, true>.
+template <int KB, int NP>
+void k_dot_vnni(const Args& a, const uint8_t* codes, int n, int rows, const Scratch& s, float* lg, int ldl) {
+  const int W = a.Wk;
+  for (int t16 = 0; t16 < n; t16 += 16) {
+    const int nt = std::min(16, n - t16);
+    const uint8_t* base = codes + static_cast<int64_t>(t16) * W;
+    prefetch_ahead(base + kPrefetchK * W, 16 * W);
+    for_row_blocks<4>(rows, [&](auto nr, int r0) {
+      constexpr int NR = decltype(nr)::value;
+      if (nt == 16) k_block16_vnni<KB, NP, NR, true>(a, base, nt, r0, s, lg + t16, ldl);
+      else k_block16_vnni<KB, NP, NR, false>(a, base, nt, r0, s, lg + t16, ldl);
+    });
+  }
+}
+#endif
 
 // One pass of the V loop over n tokens: NU units (16 code bytes at offset off[u], plane j[u], all in V group
 // grp[u]) for NR query rows; NR * NU <= 16 accumulators stay in registers. Every unit's 16 bytes lie inside

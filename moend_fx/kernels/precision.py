@@ -1,7 +1,7 @@
 """How far the fused CPU kernel (``moend_attn.cpp``) may sit from the reference attention, and why.
 
 The kernel dots the K codes against the query folded with the group's scales, ``q*s``, rounded to int16 per
-query row and K group: ``q*s ~= deq * qi`` with ``deq = max|q*s| / 32767``. Each logit then carries the sum of
+query row and K group: ``q*s ~= deq * qi`` with ``deq = max|q*s| / QMAX``. Each logit then carries the sum of
 D independent rounding errors ``e_d * c_td`` (``|e_d| <= deq / 2``), whose standard deviation is
 ``sigma = deq * ||c_t|| / sqrt(12)``. A logit error ``delta`` moves the output by at most
 ``sum_t |dp_t| * max|v| <= 2 * max|delta| * max|v|``. The bound used is ``|delta| <= 3 sigma`` (a 3-sigma
@@ -22,6 +22,7 @@ from moend_fx.storage.packed import PackedKV
 from moend_fx.storage.quant import unpack
 
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4  # the float paths: summation order only
+QMAX = 32639  # the kernel's int16 query range (moend_attn.cpp, fill_shapes: 127 * 256 + 127 for the VNNI halves)
 
 
 def int16_logit_sigma(q: torch.Tensor, layer: PackedKV, scale: float | None = None) -> float:
@@ -38,7 +39,7 @@ def int16_logit_sigma(q: torch.Tensor, layer: PackedKV, scale: float | None = No
     qs = (q.float() * scale).reshape(b, hkv, h // hkv, -1, 1, d).abs()  # [B, Hkv, Gq, L, 1, D]
     s = kp.scale.float()[:, :, None, None]  # [B, Hkv, 1, 1, P/G, D]
     qmax = (qs * s).flatten(2).amax(-1)  # [B, Hkv]: max |q*s| over rows, groups, channels
-    return float(((qmax / 32767) * cnorm / math.sqrt(12)).max())
+    return float(((qmax / QMAX) * cnorm / math.sqrt(12)).max())
 
 
 def kernel_atol(q: torch.Tensor, layer: PackedKV, scale: float | None = None) -> float:

@@ -16,6 +16,7 @@ from tests.kernels.test_moend_attn import make_case
 
 PORTABLE_NS = "moend_cpu_portable"
 AVX2_NS = "moend_cpu_avx2"
+AVX512_PAIRS_NS = "moend_cpu_avx512_pairs"
 
 
 def test_built_with_torchs_openmp():
@@ -34,6 +35,8 @@ def test_compile_flags():
     assert not set(cpu.AVX512_FLAGS) & set(cpu.compile_flags(avx2=False, avx512=True))
     assert set(cpu.AVX2_FLAGS + cpu.AVX512_FLAGS) <= set(cpu.compile_flags(avx2=True, avx512=True))
     assert not set(cpu.AVX512_FLAGS) & set(cpu.compile_flags(avx2=True, avx512=False))
+    assert cpu.VNNI_FLAG in cpu.compile_flags(avx2=True, avx512=True, vnni=True)
+    assert cpu.VNNI_FLAG not in cpu.compile_flags(avx2=True, avx512=True, vnni=False)
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +86,37 @@ def avx2_only():
     return getattr(torch.ops, AVX2_NS).packed_attention
 
 
-@pytest.mark.parametrize("kb, vb", list(itertools.product([2, 4, 8, 16], repeat=2)))
-def test_avx512_tier_matches_avx2_loops(avx2_only, kb, vb):
-    for seed, (d, gq, n, l) in enumerate([(64, 3, 3 * 32 + 7, 1), (128, 7, 5 * 32 + 1, 2), (64, 1, 19, 1),
-                                          (128, 3, 300, 1)]):
-        q, layer = make_case(seed, 2, 2, gq, l, n, d, kb, vb)
-        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, 32, d ** -0.5, True, None, 0)
+@pytest.fixture(scope="module")
+def avx512_pairs():
+    """The AVX-512 tier without VNNI (its K loop over token pairs), on a CPU whose default build takes the VNNI
+    K loop."""
+    if cpu.VNNI_FLAG not in cpu.compile_flags():
+        pytest.skip("this CPU's default build has no VNNI K loop: the pair loop is what the other tests run")
+    cpu.build(cpu.compile_flags(vnni=False), namespace=AVX512_PAIRS_NS)
+    return getattr(torch.ops, AVX512_PAIRS_NS).packed_attention
+
+
+# (head_dim, GQA group, tokens, queries, group size): ragged residual tails, 14 query rows (row blocks of 4, 4,
+# 4, 2 in the VNNI K loop), and a group size of 8 (K groups shorter than the VNNI loop's 16 tokens).
+TIER_CASES = [(64, 3, 3 * 32 + 7, 1, 32), (128, 7, 5 * 32 + 1, 2, 32), (64, 1, 19, 1, 32), (128, 3, 300, 1, 32),
+              (64, 3, 12 * 8 + 5, 1, 8)]
+
+
+def check_tiers_agree(other, kb, vb):
+    for seed, (d, gq, n, l, g) in enumerate(TIER_CASES):
+        q, layer = make_case(seed, 2, 2, gq, l, n, d, kb, vb, g=g)
+        args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, g, d ** -0.5, True, None, 0)
         # Same int16 query values and exact integer sums on the K side; per-lane V accumulation in the same
         # token order: the tiers agree to fp32 reordering at most.
-        torch.testing.assert_close(packed_attention(q, layer, kernel="cpu"), avx2_only(*args), atol=FP32_ATOL,
+        torch.testing.assert_close(packed_attention(q, layer, kernel="cpu"), other(*args), atol=FP32_ATOL,
                                    rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("kb, vb", list(itertools.product([2, 4, 8, 16], repeat=2)))
+def test_avx512_tier_matches_avx2_loops(avx2_only, kb, vb):
+    check_tiers_agree(avx2_only, kb, vb)
+
+
+@pytest.mark.parametrize("kb, vb", list(itertools.product([2, 4, 8, 16], repeat=2)))
+def test_vnni_k_loop_matches_pair_loop(avx512_pairs, kb, vb):
+    check_tiers_agree(avx512_pairs, kb, vb)

@@ -25,12 +25,13 @@ PAIRS = list(itertools.product([2, 4, 8, 16], repeat=2))
 G = 32
 
 
-def make_case(seed, b, hkv, gq, l, n, d, kb, vb):
-    """Random non-zero K/V (per-channel offsets and spreads like real keys) compressed as the cache stores them."""
+def make_case(seed, b, hkv, gq, l, n, d, kb, vb, g=G):
+    """Random non-zero K/V (per-channel offsets and spreads like real keys) compressed as the cache stores them
+    (group size g)."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(b, hkv, n, d, generator=gen) * (1 + 3 * torch.rand(d, generator=gen)) + 0.5
     v = torch.randn(b, hkv, n, d, generator=gen) + 0.25
-    layer = PackedKV.from_dense(k, v, LayerConfig(1.0, kb, vb), G)
+    layer = PackedKV.from_dense(k, v, LayerConfig(1.0, kb, vb), g)
     q = torch.randn(b, hkv * gq, l, d, generator=gen)
     return q, layer
 
