@@ -32,27 +32,34 @@ namespace moend {
 // kSplit (the VNNI dot, k_dot_vnni): each int16 value is stored as two int8 halves, qi = 256 * qh + ql with
 // ql in [-128, 127], instead of as int16 (|qi| <= 32639 = 127 * 256 + 127 keeps qh in int8), 64 * ceil(NP / 2)
 // bytes per row in split_offset's order.
+// 16 fp16 values as fp32.
+inline __m512 load16h(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 template <int KB, int NP, bool kSplit = false>
 inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, const at::Half* zp, Scratch& s) {
   constexpr int per = 8 / KB;
   const int D = a.D;
-  to_float(sp, s.sf.data(), D);
-  to_float(zp, s.zf.data(), D);
-  s.sf[D] = 0.f;
-  __m512 sv[2 * NP];
-  if (per <= 2 && a.Wk % 16 == 0) {
-    const float* sf = s.sf.data();
+  // Whole chunks and one or two planes: D = 32 * NP and the fp16 scales and zeros go straight into registers.
+  const bool direct = per <= 2 && a.Wk % 16 == 0;
+  __m512 sv[2 * NP], zv[2 * NP];
+  if (direct) {
     for (int u = 0; u < 2 * NP; ++u) {
       const int k = u / per, j = u % per;
+      zv[u] = load16h(zp + 16 * u);
       if constexpr (per == 1) {
-        sv[u] = _mm512_loadu_ps(sf + 16 * k);
+        sv[u] = load16h(sp + 16 * k);
       } else {
         const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1), _mm512_set1_epi32(j));
-        sv[u] = _mm512_permutex2var_ps(_mm512_loadu_ps(sf + 32 * k), idx, _mm512_loadu_ps(sf + 32 * k + 16));
+        sv[u] = _mm512_permutex2var_ps(load16h(sp + 32 * k), idx, load16h(sp + 32 * k + 16));
       }
     }
   } else {
+    to_float(sp, s.sf.data(), D);
+    to_float(zp, s.zf.data(), D);
+    s.sf[D] = 0.f;
     for (int u = 0; u < 2 * NP; ++u)
       sv[u] = _mm512_i32gather_ps(_mm512_loadu_si512(a.gatherk.data() + 16 * u), s.sf.data(), 4);
   }
@@ -67,7 +74,11 @@ inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, con
     const float m = _mm512_reduce_max_ps(mx);
     const float* q = s.qsc.data() + r * D;
     __m512 bz = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) bz = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(s.zf.data() + d), bz);
+    if (direct) {
+      for (int u = 0; u < 2 * NP; ++u) bz = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * u), zv[u], bz);
+    } else {
+      for (int d = 0; d < D; d += 16) bz = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(s.zf.data() + d), bz);
+    }
     const __m512 mul = _mm512_set1_ps(m > 0.f ? a.qmax / m : 0.f);
     if constexpr (kSplit) {
       // Four units at a time, narrowed by packs (in-lane: 128-bit lane i of the result holds dword i of each of
