@@ -23,6 +23,11 @@
 
 namespace moend {
 
+// 16 fp16 values as fp32.
+inline __m512 load16h(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // k_group_prep for Dpk = 32 * NP positions (D a multiple of 16): group g's (q*s) as int16 per row, its deq
 // factor and q.z, with the row's products held in registers between the max and the rounding. The same values
 // as the AVX2 prep: products, max and rounding (nearest even, saturating) are lane-wise; only the sum of q.z is
@@ -32,11 +37,6 @@ namespace moend {
 // kSplit (the VNNI dot, k_dot_vnni): each int16 value is stored as two int8 halves, qi = 256 * qh + ql with
 // ql in [-128, 127], instead of as int16 (|qi| <= 32639 = 127 * 256 + 127 keeps qh in int8), 64 * ceil(NP / 2)
 // bytes per row in split_offset's order.
-// 16 fp16 values as fp32.
-inline __m512 load16h(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int KB, int NP, bool kSplit = false>
 inline void k_group_prep_avx512(const Args& a, int rows, const at::Half* sp, const at::Half* zp, Scratch& s) {
   constexpr int per = 8 / KB;

@@ -66,7 +66,8 @@ struct Scratch {
       : BT(BT), qsc(rows * a.D), qperm(rows * a.Dpk), qs(a.Dpk), deq(rows), bias(rows),
         sf(std::max(a.D + 1, BT * a.ng)), zf(std::max(a.D, BT * a.ng)), sperm(a.Dpk), lg(rows * BT + 8),
         wt(rows * a.ng * BT), accp(rows * a.Dpv), accn(rows * a.D),
-        zacc(rows * a.ng), row(a.D), qi(rows * a.Dpk), crow(std::max(a.Dpk, a.Dpv)), qh(rows * (a.Dpk + 64)), ql(rows * (a.Dpk + 64)), tmp(rows * 64) {}
+        zacc(rows * a.ng), row(a.D), qi(rows * a.Dpk), crow(std::max(a.Dpk, a.Dpv)),
+        qh(rows * (a.Dpk + 64)), ql(rows * (a.Dpk + 64)), tmp(rows * 64) {}
 };
 
 // ------------------------------------------------------------------------------------------------ K side
