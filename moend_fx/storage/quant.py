@@ -191,9 +191,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int = GROUP_SIZE,
         codes = codes.transpose(-1, -2)
     codes = codes.reshape(b, h, n, d)
     # scales, zeros: [B, H, N/G, D] (channel) or [B, H, N, D/G] (token), i.e. scale_shape(mode, ...)
-    scale16, zero16 = scale16.squeeze(-1), zero16.squeeze(-1)
-    return QuantizedTensor(pack(codes, bits), scale16.contiguous(), zero16.contiguous(), bits, group_size,
-                           mode, d)
+    # A copy, not the squeezed view: a compiled decode graph guards on a view's base, and the block's scales
+    # are views only until the first concat or take, so a view here cost a recompile at that layer's next flush.
+    scale16, zero16 = scale16.squeeze(-1).clone(), zero16.squeeze(-1).clone()
+    return QuantizedTensor(pack(codes, bits), scale16, zero16, bits, group_size, mode, d)
 
 
 def dequantize_reference(

@@ -103,6 +103,34 @@ def test_200_decode_steps_with_eviction_run_one_graph_and_match_eager():
     assert got_cache.nbytes() == want_cache.nbytes() == got_cache.model_bytes()
 
 
+def test_a_second_batch_size_compiles_once_across_flushes_and_evictions():
+    """After a batch of 1, a batch of 2 decodes 64 steps (each quantized layer flushes, layer 0 re-evicts) on one
+    more graph. The batch size change makes dynamo's batch axis symbolic, and then it guards a view on its base:
+    the prompt's packed scales used to be views (a squeeze) where a flush's are fresh tensors, so each layer's
+    first flush recompiled (``'NoneType' object has no attribute 'size'`` in the guard, the batch rows of
+    `moend bench decode`)."""
+    model = _model()
+    plan = _plan(model, (LayerConfig(0.5, 4, 8), LayerConfig(1.0, 16, 16), LayerConfig(1.0, 8, 2)))
+    one = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    two = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(4))
+    prepare(model, plan, scorer="keynorm", evict_every=16, budget_mode="ratio")
+    want, want_cache = _generate(model, two, 64)
+    torch._dynamo.reset()
+    backend = Recording()
+    try:
+        model.compile(backend=backend, options={"inner": "aot_eager", "plan": plan}, fullgraph=True)
+        _generate(model, one, 4)
+        first = len(backend.graphs)
+        got, got_cache = _generate(model, two, 64)
+    finally:
+        torch._dynamo.reset()
+        uncompile(model)
+        unprepare(model)
+    assert torch.equal(got, want)
+    assert got_cache.layers[0].evictions == want_cache.layers[0].evictions >= 1
+    assert len(backend.graphs) - first == 1, f"{len(backend.graphs) - first} graphs for the batch of 2"
+
+
 @pytest.mark.parametrize("scorer", ["snapkv", "trig"])
 def test_scorers_with_a_query_window_match_eager(scorer):
     """Scorers that keep the last queries (snapkv; trig without calibrated stats) update their window inside the

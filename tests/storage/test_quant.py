@@ -128,3 +128,12 @@ def test_concat_keeps_each_blocks_groups(mode):
     once = quantize(x, 8, 32, mode)
     assert all(torch.equal(a, b) for a, b in zip(both.tensors(), once.tensors()))
     assert both.num_tokens == 64
+
+
+@pytest.mark.parametrize("mode", list(QuantMode))
+def test_quantized_tensors_own_their_storage(mode):
+    """Codes, scales and zeros are never views: a compiled decode step with a symbolic batch guards a view on
+    its base, and a concat's or take's tensors have none (tests/compile/test_compile_generate.py)."""
+    x = torch.randn(2, 3, 64, 16, generator=torch.Generator().manual_seed(0))
+    q = quantize(x, 4, 32, mode)
+    assert all(t._base is None for t in (q.codes, q.scale, q.zero))
