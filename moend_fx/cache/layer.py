@@ -11,7 +11,8 @@ attention module passes to ``cache.update(..., kwargs=kwargs)``). The order insi
    ``settle`` / ``before_step``), so a compiled decode step never branches on whether it fills a group.
 2. the attention function calls ``finish_prefill(q, mask)`` after SDPA on the staged K/V (evict + compress), or
    ``attend(q, mask)`` for a chunk / decode step over the packed storage (``attention_fn``, default
-   :func:`moend_fx.attention.packed.packed_layer_attention`, the form the ``moend`` backend fuses), which then
+   :func:`moend_fx.attention.fused.fused_layer_attention`: the fused op eager, the pattern the ``moend`` backend
+   fuses under compile), which then
    re-evicts when the policy (or the byte cap) says so.
 
 Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction are
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from moend_fx.attention.packed import packed_layer_attention
+from moend_fx.attention.fused import fused_layer_attention
 from moend_fx.cache.masks import held_attention, logical_mask
 from moend_fx.cache.prefill_inputs import check_prefill_tensors
 from moend_fx.common.defaults import GROUP_SIZE
@@ -65,7 +66,7 @@ class MoENDLayer(CacheLayerMixin):
         self.config, self.layer_idx, self.group_size, self.budget = config, layer_idx, group_size, budget
         self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx,
                                budget=budget, spare=spare)
-        self.attention_fn: PackedAttention = attention_fn or packed_layer_attention
+        self.attention_fn: PackedAttention = attention_fn or fused_layer_attention
         self._clear()
 
     def _clear(self) -> None:

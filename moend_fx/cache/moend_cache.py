@@ -81,8 +81,10 @@ class MoENDCache(Cache):
     codes are never re-quantized) or single ``"tokens"`` (the lowest-ranked; survivors re-quantized).
     An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
     has, when fewer): ``keep_count(T, keep_ratio, floor)``, which the memory model (``plan_bytes``) uses too.
-    attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.packed.packed_layer_attention`:
-    SDPA over the dequantized layer, the pattern the ``moend`` backend fuses; pass
+    attention_fn: attention over a PackedKV (default :func:`moend_fx.attention.fused.fused_layer_attention`: the
+    fused op for a decode step over a quantized layer eager, else
+    :func:`moend_fx.attention.packed.packed_layer_attention`, SDPA over the dequantized layer, the pattern the
+    ``moend`` backend fuses under compile; pass ``packed_layer_attention`` for plain torch ops eager, or
     :func:`moend_fx.attention.reference.reference_attention` for the fp32 oracle), the one function a fused
     backend swaps.
 

@@ -398,14 +398,17 @@ def test_before_step_marks_every_cache_tensor_dynamic_along_tokens():
     assert all(2 in getattr(t, "_dynamo_weak_dynamic_indices", ()) for t in tensors)
 
 
-def test_default_attention_is_the_fusable_form_and_matches_the_reference():
-    """The default attention_fn (SDPA over the dequantized layer) and the fp32 reference give the same tokens."""
-    from moend_fx.attention.packed import packed_layer_attention
+@pytest.mark.parametrize("fn", ["fused_layer_attention", "packed_layer_attention"])
+def test_default_and_pattern_attention_give_the_references_tokens(fn):
+    """The default attention_fn (the fused op eager, the fusable pattern traced) and the plain pattern (SDPA over
+    the dequantized layer) give the fp32 reference's greedy tokens."""
+    from moend_fx.attention import fused, packed
     from moend_fx.attention.reference import reference_attention
 
     model = _moend(_model())
     plan = _plan(model, LayerConfig(0.5, 4, 8))
     default = MoENDCache(plan, scorer="keynorm")
-    assert default.layers[0].attention_fn is packed_layer_attention
+    assert default.layers[0].attention_fn is fused.fused_layer_attention
+    chosen = MoENDCache(plan, scorer="keynorm", attention_fn=getattr(fused, fn, None) or getattr(packed, fn))
     ref = MoENDCache(plan, scorer="keynorm", attention_fn=reference_attention)
-    assert torch.equal(_generate(model, _ids(2, 40), default), _generate(model, _ids(2, 40), ref))
+    assert torch.equal(_generate(model, _ids(2, 40), chosen), _generate(model, _ids(2, 40), ref))
