@@ -76,9 +76,11 @@ def _fresh(x: torch.Tensor) -> torch.Tensor:
     storage offset (``.contiguous()`` is a no-op on a 0/1-token slice). Token-major strides (H*D, D, B*H*D, 1)
     never depend on R, so one graph serves every residual length.
     """
-    # ``clone(memory_format=contiguous_format)``, not ``.contiguous()``: an empty or 1-token tensor counts as
-    # contiguous, so ``.contiguous()`` would keep its old strides and storage offset.
-    return x.permute(2, 0, 1, 3).clone(memory_format=torch.contiguous_format).permute(1, 2, 0, 3)
+    # A new tensor with those strides, not a permuted clone: that is a view, and once the batch axis is symbolic
+    # dynamo guards a view on its base, which an inductor graph's outputs lack (a recompile on the next step).
+    b, h, r, d = x.shape
+    out = torch.empty_strided((b, h, r, d), (h * d, d, b * h * d, 1), dtype=x.dtype, device=x.device)
+    return out.copy_(x)
 
 
 def slot_positions(start: Any, stop: Any, like: torch.Tensor) -> torch.Tensor:
