@@ -206,3 +206,30 @@ def test_padding_never_enters_a_k_groups_min_max():
     assert torch.equal(got[0:1, :, 40:64], ref[:, :, 8:])
     assert (got[0, :, 40:] - k[0, :, 40:]).abs().max() < 0.5  # within 4-bit steps of real ranges, not of 100
     assert torch.equal(fill_pads(k, torch.ones_like(valid), 32), k)  # nothing to fill
+
+
+@pytest.mark.parametrize("config", [LayerConfig(1.0, 16, 16), LayerConfig(1.0, 4, 8), LayerConfig(1.0, 16, 4),
+                                    LayerConfig(1.0, 4, 16), LayerConfig(0.5, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_no_stored_tensor_is_a_view(config, dtype):
+    """Every tensor a layer stores owns its storage, whatever the caller passed (here views: slices of a
+    transposed tensor) and after every operation: once a compiled step's batch axis is symbolic, dynamo guards
+    a view's base, so a tensor that is a view in one step and fresh in the next recompiles (the batch-4
+    recompile of ``moend bench decode``; tests/compile/test_compile_generate.py)."""
+    def viewed(n, seed):  # [B, H, n, D] as a view of a [B, n, H, D] tensor, as attention modules hand them over
+        return rand(2, n, 3, 16, seed=seed).to(dtype).transpose(1, 2)
+
+    k, v = viewed(70, 1), viewed(70, 2)
+    pos = torch.arange(70).expand(2, 3, 70)
+    layer = PackedKV.from_dense(k, v, config, 32, positions=pos if config.evicts else None)
+    states = [layer]
+    for step in range(40):  # crosses a group boundary: flushes
+        extra = {"positions": torch.full((2, 3, 1), 70 + step)} if config.evicts else {}
+        layer = layer.append(viewed(1, 10 + step), viewed(1, 60 + step), keep_full=step % 2 == 0, **extra)
+        states.append(layer)
+    states.append(layer.flush())
+    if layer.num_groups:
+        groups = torch.arange(layer.num_groups - 1, -1, -2).flip(0).expand(2, 3, -1).contiguous()
+        states.append(layer.keep_groups(groups))
+    for s in states:
+        assert all(t._base is None for t in s.tensors()), [tuple(t.shape) for t in s.tensors() if t._base is not None]
