@@ -14,13 +14,16 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
    take the relative L2 error against the same computation on the uncompressed K/V.
 
-``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`). The
+``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`). Then
+per-layer gains (:mod:`moend_fx.calibration.gains`, unless ``gain_probe`` is None) turn S into a predicted
+end-to-end KL, ``gain[l] * S[l, c] ** 2``. The
 query statistics trig scores with are accumulated on every token but the measured window's. Memory: one
 sequence's captures (O(L * T * D)), freed layer by layer; attention is O(W * T) per layer, never O(T^2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,9 @@ import torch
 
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
+from moend_fx.calibration.gains import DEFAULT_PROBE, GAIN_FLOOR, continuation_split, layer_gains
 from moend_fx.calibration.monotone import monotone_in_keep
+from moend_fx.calibration.prefill import kept_tokens, model_body
 from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
@@ -37,19 +42,17 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import ScorerName
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import SCORERS, build_scorer, default_options
-from moend_fx.eviction.selection import select_tokens
 from moend_fx.plan.memory import keep_count
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint
 from moend_fx.storage.packed import PackedKV
-from moend_fx.storage.tokens import gather_tokens
 
 __all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", "scorer_options",
            "stale_reason", "window_attention"]
 
 
-CALIBRATION_VERSION = 2
-_VERSION_NOTE = ("2: query statistics exclude the measured window, S monotone in keep ratio, the cache's "
-                 "keep floor")
+CALIBRATION_VERSION = 3
+_VERSION_NOTE = ("3: per-layer gains (the predicted loss is an end-to-end KL); 2: query statistics exclude the "
+                 "measured window, S monotone in keep ratio, the cache's keep floor")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ class CalibrationSettings:
     window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
     ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tail: each text sequence ends with ``window``
     tokens of questions about its earlier records (``moend_fx.calibration.data.retrieval_tail``), so the measured
-    queries retrieve facts (text sequences only; random ids have none)."""
+    queries retrieve facts (text sequences only; random ids have none). gain_probe: the config name
+    (``keep<ratio>_k<bits>_v<bits>``) whose end-to-end KL per layer sets the per-layer gains
+    (:mod:`moend_fx.calibration.gains`; it need not be in the grid), or None for the paper's plain ``sum S``."""
 
     tokens: int = CALIBRATION_TOKENS
     num_sequences: int = 1
@@ -70,6 +75,7 @@ class CalibrationSettings:
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
     retrieval_tail: bool = False
+    gain_probe: str | None = DEFAULT_PROBE
 
     def __post_init__(self) -> None:
         for name in ("tokens", "num_sequences", "window"):
@@ -80,15 +86,20 @@ class CalibrationSettings:
         if not isinstance(self.retrieval_tail, bool):
             raise MoendError(f"retrieval_tail={self.retrieval_tail!r} is invalid; allowed: True or False")
         object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
+        if self.gain_probe is not None:
+            probe = LayerConfig.from_name(self.gain_probe, "gain_probe")
+            if probe.lossless:
+                raise MoendError(f"gain_probe={self.gain_probe!r} is lossless; it must evict or quantize "
+                                 "(e.g. keep0.5_k4_v4), or be None for no gains")
+            object.__setattr__(self, "gain_probe", probe.name)
+
+    @property
+    def probe(self) -> LayerConfig | None:
+        """The gain probe config, None without gains."""
+        return None if self.gain_probe is None else LayerConfig.from_name(self.gain_probe)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def model_body(model: Any) -> Any:
-    """The transformer without its LM head (``model.base_model``), else the model itself."""
-    body = getattr(model, "base_model", None)
-    return body if body is not None and body is not model else model
 
 
 def scorer_options(name: str) -> dict[str, Any]:
@@ -138,19 +149,6 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, ref_norm: float) -> float:
     return float((out.double() - ref.double()).norm()) / ref_norm
 
 
-def kept_tokens(cap: LayerCapture, scores: torch.Tensor, keep: float, sink: int, recent: int,
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Kept K, V [B, Hkv, n, D] and positions [B, Hkv, n] (None when nothing is evicted): as many tokens as the
-    cache keeps, its sinks and recent window at least."""
-    b, hkv, t, _ = cap.keys.shape
-    n = keep_count(t, keep, floor=sink + recent)
-    if n >= t:
-        return cap.keys, cap.values, None
-    kp = cap.key_positions[:, None, :].expand(b, hkv, t)
-    idx, pos = select_tokens(scores, n, sink_tokens=sink, recent_tokens=recent, key_positions=kp)
-    return gather_tokens(cap.keys, idx), gather_tokens(cap.values, idx), pos
-
-
 def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, keep: float, bits: int,
                   side: str, group_size: int) -> torch.Tensor:
     """K (side "k") or V (side "v") of kept tokens k, v [B, Hkv, n, D] after the cache's compression.
@@ -165,8 +163,15 @@ def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, ke
 
 
 def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int = GROUP_SIZE,
-                 sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS) -> np.ndarray:
-    """Relative L2 error of the window queries' attention output for every grid config: [C] float64."""
+                 sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
+                 extra: tuple[LayerConfig, ...] = ()) -> np.ndarray:
+    """Relative L2 error of the window queries' attention output for every grid config, then for each config of
+    ``extra`` (configs outside the grid, e.g. the gain probe): [C + len(extra)] float64."""
+    def axis(values: tuple[Any, ...], more: list[Any]) -> tuple[Any, ...]:
+        return values + tuple(dict.fromkeys(m for m in more if m not in values))
+
+    measured = Grid(axis(grid.keep_ratios, [c.keep_ratio for c in extra]), axis(grid.k_bits, [c.k_bits for c in extra]),
+                    axis(grid.v_bits, [c.v_bits for c in extra]))
     b, hkv, t, _ = cap.keys.shape
     q, qpos = cap.queries, cap.query_positions  # [B, H, W, D], [B, W]
 
@@ -179,22 +184,22 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
     if ref_norm == 0.0:
         raise MoendError("the attention output of the calibration window is all zeros; cannot measure "
                          "relative errors (check the model and the input)")
-    needs_scores = any(keep_count(t, kr, floor=sink_tokens + recent_tokens) < t for kr in grid.keep_ratios)
+    needs_scores = any(keep_count(t, kr, floor=sink_tokens + recent_tokens) < t for kr in measured.keep_ratios)
     scores = None
     if needs_scores:
         kp = cap.key_positions[:, None, :].expand(b, hkv, t)
         scores = scorer.score(cap.keys, cap.values, queries=q, key_positions=kp, query_positions=qpos)
     errs: dict[LayerConfig, float] = {}
-    for keep in grid.keep_ratios:
+    for keep in measured.keep_ratios:
         k, v, pos = kept_tokens(cap, scores, keep, sink_tokens, recent_tokens)
         allowed = allowed_for(pos)
-        vs = [compress_side(k, v, pos, keep, vb, "v", group_size) for vb in grid.v_bits]
-        for kb in grid.k_bits:
+        vs = [compress_side(k, v, pos, keep, vb, "v", group_size) for vb in measured.v_bits]
+        for kb in measured.k_bits:
             kk = compress_side(k, v, pos, keep, kb, "k", group_size)
             outs = window_attention(q, kk, vs, allowed, cap.scaling)
-            for vb, out in zip(grid.v_bits, outs):
+            for vb, out in zip(measured.v_bits, outs):
                 errs[LayerConfig(keep, kb, vb)] = _rel_err(out, ref, ref_norm)
-    return np.array([errs[c] for c in grid.configs], dtype=np.float64)
+    return np.array([errs[c] for c in grid.configs + tuple(extra)], dtype=np.float64)
 
 
 def _settings_and_tokens(model: Any, tokenizer: Any | None, token_ids: torch.Tensor | None,
@@ -224,13 +229,15 @@ def _settings_and_tokens(model: Any, tokenizer: Any | None, token_ids: torch.Ten
 
 def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: CalibrationSettings,
                    stats: dict[int, QueryStats], progress: bool) -> np.ndarray:
-    """Sum over the sequences token_ids [N, T] of every layer's :func:`layer_errors`: [L, C] float64. ``stats``
-    (layer -> QueryStats) accumulates the pre-RoPE query statistics along the way."""
+    """Sum over the sequences token_ids [N, T] of every layer's :func:`layer_errors`: [L, C (+1 with a gain
+    probe, last)] float64. ``stats`` (layer -> QueryStats) accumulates the pre-RoPE query statistics along the
+    way."""
+    extra = () if settings.probe is None else (settings.probe,)
     from tqdm.auto import tqdm
 
     num_layers = ModelFingerprint.from_model(model).num_layers
     rope = rope_from_model(model)
-    total = np.zeros((num_layers, len(grid)), dtype=np.float64)
+    total = np.zeros((num_layers, len(grid) + len(extra)), dtype=np.float64)
     device = next(model.parameters()).device
     bar = tqdm(total=num_layers * token_ids.shape[0], desc="calibrate (layers x sequences)",
                disable=not progress, unit="layer")
@@ -246,7 +253,7 @@ def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: Ca
                     scorer = build_scorer(settings.scorer, rope=rope, stats=stats.get(layer))
                     total[layer] += layer_errors(lc, grid, scorer, group_size=settings.group_size,
                                                  sink_tokens=settings.sink_tokens,
-                                                 recent_tokens=settings.recent_tokens)
+                                                 recent_tokens=settings.recent_tokens, extra=extra)
                     del lc
                     bar.update(1)
     finally:
@@ -275,13 +282,25 @@ def calibrate(
     grid = grid or Grid()
     fp = ModelFingerprint.from_model(model)
     stats: dict[int, QueryStats] = {}
-    S, monotone = monotone_in_keep(_summed_errors(model, token_ids, grid, settings, stats, progress)
-                                   / token_ids.shape[0], grid)
+    errors = _summed_errors(model, token_ids, grid, settings, stats, progress) / token_ids.shape[0]
+    S, monotone = monotone_in_keep(errors[:, :len(grid)], grid)
+    probe = settings.probe
+    gains = None
+    if probe is not None:
+        context, cont = continuation_split(settings.tokens, settings.window)
+        gains = {"probe": probe.name, "probe_S": errors[:, -1].tolist(), "context": context, "continuation": cont,
+                 "floor": GAIN_FLOOR}
     calibration = {**settings.to_dict(), "version": CALIBRATION_VERSION,
                    "scorer_options": scorer_options(settings.scorer), "monotone": monotone,
                    "setting": str(SCORERS[settings.scorer].setting),
                    "context_length": settings.tokens, "source": source,
                    "metric": "relative L2 error of the attention output of the last `window` queries, "
-                             "one layer compressed at a time"}
-    return SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=settings.group_size,
-                            calibration=calibration, query_stats=stats_to_arrays(stats))
+                             "one layer compressed at a time",
+                   "gains": gains}
+    table = SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=settings.group_size,
+                             calibration=calibration, query_stats=stats_to_arrays(stats))
+    if probe is None:
+        return table
+    # measured with the table's own scorer and statistics, as the cache will evict
+    gain = layer_gains(model, table, token_ids, probe, errors[:, -1], window=settings.window, progress=progress)
+    return dataclasses.replace(table, gain=gain)

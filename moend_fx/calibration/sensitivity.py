@@ -2,7 +2,8 @@
 
 File layout (format ``moend_fx.calibration.sensitivity``, version 1; see ``docs/calibration.md``):
 
-* tensors: ``S`` [L, C] float64 and the calibrated pre-RoPE query statistics of the ``trig`` scorer,
+* tensors: ``S`` [L, C] float64, optionally ``gain`` [L] float64 (per-layer gains, see
+  :attr:`SensitivityTable.gain`), and the calibrated pre-RoPE query statistics of the ``trig`` scorer,
   ``query_stats.layers.{l}.sum`` [H, D/2, 2] float64, ``.abs_sum`` [H, D/2] float64, ``.count`` [1] int64.
 * safetensors metadata (strings): ``format``, ``version``, ``meta`` (JSON: grid, model fingerprint,
   group_size, calibration settings) and ``sha256`` (over ``meta`` and every tensor's name, dtype, shape
@@ -46,6 +47,11 @@ class SensitivityTable:
     """``S[l, c]``: relative L2 error of layer l's attention output under ``grid.configs[c]`` alone.
 
     S: [L, C] float64, L = fingerprint.num_layers, C = len(grid).
+    gain: [L] float64 > 0, or None. With gains the predicted loss of a plan is an estimate of its end-to-end
+    KL (nats per token), ``sum_l gain[l] * S[l, c_l] ** 2``: an output error reaches the logits about linearly,
+    KL is quadratic in a small logit change, and layers differ by orders of magnitude in how much of their
+    error reaches the logits (``moend_fx.calibration.gains``). Without (None), the paper's ``sum_l S[l, c_l]``.
+    :attr:`loss` is the matrix every solver and report minimises or sums.
     query_stats: flat name -> array dict (see the module docstring); :meth:`layer_stats` builds the
     :class:`~moend_fx.eviction.rope.QueryStats` of one layer for the ``trig`` scorer.
     """
@@ -56,6 +62,7 @@ class SensitivityTable:
     group_size: int = GROUP_SIZE
     calibration: dict[str, Any] = field(default_factory=dict)
     query_stats: dict[str, np.ndarray] = field(default_factory=dict)
+    gain: np.ndarray | None = None
     # (scorer, calibrated) the byte costs are priced for, when a cache will evict otherwise than the table's own
     # scorer with its statistics (see priced_for); not saved
     pricing: tuple[str, bool] | None = field(default=None, compare=False, repr=False)
@@ -69,6 +76,12 @@ class SensitivityTable:
         if not np.isfinite(S).all():
             raise TableError("S holds non-finite values (NaN or inf); recalibrate")
         object.__setattr__(self, "S", S)
+        if self.gain is not None:
+            gain = np.asarray(self.gain, dtype=np.float64)
+            if gain.shape != (want[0],) or not np.isfinite(gain).all() or (gain <= 0).any():
+                raise TableError(f"gain must be [{want[0]}] finite and > 0 (one per layer); got shape "
+                                 f"{gain.shape}, min {gain.min() if gain.size else None}")
+            object.__setattr__(self, "gain", gain)
         check_int("group_size", self.group_size, error=TableError)
         object.__setattr__(self, "query_stats", {k: np.asarray(v) for k, v in self.query_stats.items()})
 
@@ -93,19 +106,28 @@ class SensitivityTable:
         )
         return np.tile(row, (self.fingerprint.num_layers, 1))
 
-    def column(self, config: LayerConfig) -> np.ndarray:
-        """S[:, c] for one config: [L]. Raises TableError if the config is not in the grid."""
+    @property
+    def loss(self) -> np.ndarray:
+        """[L, C] float64: each entry's predicted loss, ``gain[l] * S[l, c] ** 2`` with gains, else ``S``."""
+        return self.S if self.gain is None else self.gain[:, None] * self.S ** 2
+
+    def _index(self, config: LayerConfig) -> int:
         try:
-            return self.S[:, self.grid.index(config)]
+            return self.grid.index(config)
         except PlanError as e:
             raise TableError(str(e)) from None
 
+    def column(self, config: LayerConfig) -> np.ndarray:
+        """S[:, c] for one config: [L]. Raises TableError if the config is not in the grid."""
+        return self.S[:, self._index(config)]
+
     def predicted_loss(self, plan_or_configs: RoutingPlan | list[LayerConfig] | tuple[LayerConfig, ...]) -> float:
-        """``sum_l S[l, c_l]`` for a plan (or one config per layer)."""
+        """``sum_l loss[l, c_l]`` for a plan (or one config per layer): see :attr:`loss`."""
         layers = plan_or_configs.layers if isinstance(plan_or_configs, RoutingPlan) else tuple(plan_or_configs)
         if len(layers) != self.num_layers:
             raise TableError(f"{len(layers)} layer configs given; this table has {self.num_layers} layers")
-        return float(sum(self.column(c)[i] for i, c in enumerate(layers)))
+        loss = self.loss
+        return float(sum(loss[i, self._index(c)] for i, c in enumerate(layers)))
 
     def spread(self, config: LayerConfig) -> float:
         """max / min over layers of S[:, config] (inf if some layer has S == 0 but not all)."""
@@ -156,6 +178,8 @@ class SensitivityTable:
     # -- save / load ----------------------------------------------------------------------------------
     def _tensors(self) -> dict[str, np.ndarray]:
         out = {"S": np.ascontiguousarray(self.S, dtype=np.float64)}
+        if self.gain is not None:
+            out["gain"] = np.ascontiguousarray(self.gain, dtype=np.float64)
         for k, v in self.query_stats.items():
             out[k if k.startswith(STATS_PREFIX) else STATS_PREFIX + k] = np.ascontiguousarray(v)
         return out
@@ -219,10 +243,13 @@ class SensitivityTable:
             raise TableError(f"{where}: S has dtype {tensors['S'].dtype}; expected float64")
         if not isinstance(meta["calibration"], dict):
             raise TableError(f"{where}: calibration must be an object")
-        stats = {k: v for k, v in tensors.items() if k != "S"}
+        gain = tensors.get("gain")
+        if gain is not None and gain.dtype != np.float64:
+            raise TableError(f"{where}: gain has dtype {gain.dtype}; expected float64")
+        stats = {k: v for k, v in tensors.items() if k not in ("S", "gain")}
         _check_stats(stats, fp, where)
         table = cls(S=tensors["S"], grid=grid, fingerprint=fp, group_size=meta["group_size"],
-                    calibration=meta["calibration"], query_stats=stats)
+                    calibration=meta["calibration"], query_stats=stats, gain=gain)
         return table
 
     @classmethod

@@ -37,7 +37,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     scorer = args.scorer or default_scorer(args.setting)
     table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=scorer,
                       seed=args.seed, window=args.window, retrieval_tail=args.retrieval_tail,
-                      progress=not args.quiet)
+                      gain_probe=None if args.no_gains else args.gain_probe, progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=scorer)
     table.save(out)
@@ -59,6 +59,9 @@ def table_text(table: SensitivityTable) -> str:
         "calibration: " + ", ".join(f"{k}={cal[k]}" for k in ("tokens", "num_sequences", "seed", "scorer",
                                                                "setting", "window") if k in cal),
         f"S range: {table.S.min():.4g} .. {table.S.max():.4g}",
+        ("gains: none (predicted loss = sum of S)" if table.gain is None else
+         f"gains (probe {(cal.get('gains') or {}).get('probe')}): {table.gain.min():.3g} .. {table.gain.max():.3g} "
+         f"({table.gain.max() / table.gain.min():.0f}x; predicted loss = sum of gain * S^2, nats per token)"),
         "",
         "mean S over layers (rows: keep ratio; columns: K/V bits):",
     ]
@@ -155,7 +158,7 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
     budgets = tuple(csv_list(args.budgets))
     settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, continuation=args.continuation,
                              seed=args.seed, random_plans=args.plans, budgets=budgets, solver=args.solver,
-                             window=args.window)
+                             plan_seed=args.plan_seed, window=args.window)
     model, tok = load_model(args.model)
     result = validate_proxy(model, tok, table, settings, progress=not args.quiet)
     j, m = write_report(result, args.out)
@@ -188,6 +191,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--retrieval-tail", action=argparse.BooleanOptionalAction, default=cal.retrieval_tail,
                    help="end each sequence with --window tokens of questions about its earlier records "
                         "(default %(default)s)")
+    p.add_argument("--gain-probe", default=cal.gain_probe,
+                   help="config (keep<ratio>_k<bits>_v<bits>) whose end-to-end KL, one layer at a time, sets the "
+                        "per-layer gains (default %(default)s; docs/calibration.md, 'Gains')")
+    p.add_argument("--no-gains", action="store_true",
+                   help="no per-layer gains: the predicted loss is the paper's sum of S")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default=None,
                    help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors, e.g. "
@@ -214,6 +222,8 @@ def register(subparsers: Any) -> None:
     v.add_argument("--budgets", default=",".join(proxy.budgets), help="comma-separated solver budgets")
     v.add_argument("--solver", default=proxy.solver)
     v.add_argument("--seed", type=int, default=proxy.seed, help="held-out text seed")
+    v.add_argument("--plan-seed", type=int, default=proxy.plan_seed,
+                   help="random plans' seed (another seed: an independent set of plans)")
     v.add_argument("--window", type=positive_int, default=proxy.window)
     v.add_argument("--threads", type=int, default=0)
     v.add_argument("--out", required=True, help="output folder")

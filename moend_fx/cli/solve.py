@@ -54,7 +54,7 @@ def plan_table_text(res: SolveResult, table: SensitivityTable) -> str:
     lines = [f"{'layer':>5} {'config':<16} {'kept':>6} {parts_header()} {'pred. loss':>10}"]
     for l, (c, parts) in enumerate(zip(plan.layers, rows)):
         lines.append(f"{l:>5} {c.name:<16} {keep_count(ctx, c.keep_ratio, floor):>6} {parts_cells(parts)} "
-                     f"{table.S[l, res.indices[l]]:>10.5f}")
+                     f"{table.loss[l, res.indices[l]]:>10.5f}")
     totals = sum_parts(rows)
     lines += [f"{'total':<5} {'':<16} {'':>6} {parts_cells(totals)} {res.predicted_loss:>10.5f}",
               f"{'share':<5} {'':<16} {'':>6} {parts_shares(totals)}"]

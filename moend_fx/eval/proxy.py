@@ -30,23 +30,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from moend_fx.attention.reference import attention_dense
-from moend_fx.calibration.capture import AttentionCapture, LayerCapture, attention_override
+from moend_fx.calibration.continuation import ContinuationKL
 from moend_fx.calibration.data import token_sequences
-from moend_fx.calibration.pipeline import kept_tokens, model_body
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.checks import check_int
-from moend_fx.common.defaults import CALIBRATION_TOKENS, RECENT_TOKENS, SINK_TOKENS
+from moend_fx.common.defaults import CALIBRATION_TOKENS
 from moend_fx.common.errors import BudgetError
-from moend_fx.common.options import ScorerName
 from moend_fx.eval.proxy_report import markdown_report, write_report
-from moend_fx.eviction.rope import rope_from_model
-from moend_fx.eviction.scorers import build_scorer
 from moend_fx.plan.memory import full_cache_bytes, plan_bytes
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
-from moend_fx.storage.packed import PackedKV
 
 # The paper's per-layer spread (max/min across layers of S), Table/Figure in arXiv 2604.17695.
 PAPER_SPREAD: tuple[tuple[str, LayerConfig, float], ...] = (
@@ -59,8 +52,8 @@ PAPER_SPREAD: tuple[tuple[str, LayerConfig, float], ...] = (
 )
 PAPER_CORRELATION = {"pearson": 0.945, "spearman": 0.937}
 # markdown_report and write_report (moend_fx.eval.proxy_report) are part of this module's API.
-__all__ = ["DEFAULT_BUDGETS", "PAPER_CORRELATION", "PAPER_SPREAD", "HeldOutSequence", "PlanResult", "ProxySettings",
-           "compressed_kv", "continuation_logits", "correlations", "markdown_report", "random_plans",
+__all__ = ["DEFAULT_BUDGETS", "PAPER_CORRELATION", "PAPER_SPREAD", "PlanResult", "ProxySettings",
+           "correlations", "markdown_report", "random_plans",
            "solver_plans", "spread_rows", "validate_proxy", "write_report"]
 DEFAULT_BUDGETS: tuple[str, ...] = ("1.5x", "2x", "3x", "4x", "6x", "8x", "12x", "16x")
 
@@ -142,85 +135,6 @@ def solver_plans(table: SensitivityTable, budgets: tuple[str, ...], solver: str,
     return out
 
 
-# ------------------------------------------------------------------------------------------ measurement
-
-
-def compressed_kv(cap: LayerCapture, config: LayerConfig, scores: torch.Tensor | None, *, group_size: int,
-                  sink_tokens: int, recent_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context K, V [B, Hkv, n, D] a layer with ``config`` holds after the prefill, dequantized."""
-    k, v, pos = kept_tokens(cap, scores, config.keep_ratio, sink_tokens, recent_tokens)
-    if not config.quantized:
-        return k, v
-    return PackedKV.from_dense(k, v, config, group_size, pos).dequantize(k.dtype)
-
-
-def continuation_logits(model: Any, cont_ids: torch.Tensor, start: int,
-                        kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Logits [B, M, V] of cont_ids [B, M] at positions start.. attending to per-layer context ``kv`` + itself."""
-
-    def attend(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
-               scaling: float | None = None, **kw: Any) -> tuple[torch.Tensor, None]:
-        k0, v0 = kv[int(module.layer_idx)]
-        # the M new queries are the newest M of the n + M keys: bottom-right causal mask
-        out = attention_dense(q, torch.cat([k0, k], 2), torch.cat([v0, v], 2), scale=scaling,
-                              causal_chunk=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    m = cont_ids.shape[1]
-    pos = torch.arange(start, start + m, device=cont_ids.device)[None].expand(cont_ids.shape[0], m)
-    with attention_override(model, attend):
-        return model(input_ids=cont_ids, position_ids=pos, use_cache=False).logits
-
-
-class HeldOutSequence:
-    """One held-out sequence, prefilled: per-layer captures and eviction scores, reference log-probs."""
-
-    def __init__(self, model: Any, table: SensitivityTable, ids: torch.Tensor, context: int, window: int):
-        self.model = model
-        self.table = table
-        self.context = context
-        cal = table.calibration
-        self.group_size = table.group_size
-        self.sink = int(cal.get("sink_tokens", SINK_TOKENS))
-        self.recent = int(cal.get("recent_tokens", RECENT_TOKENS))
-        scorer_name = str(cal.get("scorer", ScorerName.TRIG))
-        device = next(model.parameters()).device
-        self.cont = ids[None, context:].to(device)
-        cap = AttentionCapture(model, window=window)
-        with torch.no_grad(), cap:
-            model_body(model)(input_ids=ids[None, :context].to(device), use_cache=False)
-        self.layers = [cap.pop(l) for l in range(table.num_layers)]
-        # Built as calibration builds it (build_scorer takes what each scorer needs: trig and snapkv_trig the
-        # RoPE and the calibrated statistics, snapkv its default observation window).
-        rope = rope_from_model(model)
-        self.scores: list[torch.Tensor] = []
-        with torch.no_grad():
-            for l, c in enumerate(self.layers):
-                stats = table.layer_stats(l) if table.has_stats() else None
-                scorer = build_scorer(scorer_name, rope, stats)
-                b, hkv, t, _ = c.keys.shape
-                kp = c.key_positions[:, None, :].expand(b, hkv, t)
-                self.scores.append(scorer.score(c.keys, c.values, queries=c.queries, key_positions=kp,
-                                                query_positions=c.query_positions))
-        lossless = LayerConfig(1.0, 16, 16)
-        self.ref_logp = self.log_probs((lossless,) * table.num_layers)
-
-    def log_probs(self, layers: tuple[LayerConfig, ...]) -> torch.Tensor:
-        """log p [M, V] float64 of the continuation under a plan."""
-        with torch.no_grad():
-            kv = [compressed_kv(c, cfg, s, group_size=self.group_size, sink_tokens=self.sink,
-                                recent_tokens=self.recent)
-                  for c, cfg, s in zip(self.layers, layers, self.scores)]
-            logits = continuation_logits(self.model, self.cont, self.context, kv)
-        return torch.log_softmax(logits[0].double(), dim=-1)
-
-    def kl(self, layers: tuple[LayerConfig, ...]) -> float:
-        """Mean over continuation positions of KL(p_full || p_plan)."""
-        lp = self.log_probs(layers)
-        kl = (self.ref_logp.exp() * (self.ref_logp - lp)).sum(dim=-1)
-        return float(kl.mean())
-
-
 def correlations(pred: list[float], meas: list[float]) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
@@ -268,7 +182,7 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
                disable=not progress)
     try:
         for s in range(settings.sequences):
-            seq = HeldOutSequence(model, table, ids[s], T, settings.window)
+            seq = ContinuationKL(model, table, ids[s], T, settings.window)
             for r, (_, _, layers) in zip(results, plans):
                 r.kl_per_sequence.append(seq.kl(layers))
                 bar.update(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,18 @@ class LayerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"keep_ratio": self.keep_ratio, "k_bits": self.k_bits, "v_bits": self.v_bits}
+
+    @classmethod
+    def from_name(cls, name: Any, where: str = "layer config") -> LayerConfig:
+        """The config whose :attr:`name` is ``name`` (``keep<ratio>_k<bits>_v<bits>``, e.g. ``keep0.5_k4_v4``)."""
+        m = re.fullmatch(r"keep([0-9.]+(?:e-?[0-9]+)?)_k([0-9]+)_v([0-9]+)", name) if isinstance(name, str) else None
+        if m is None:
+            raise PlanError(f"{where}={name!r} is not a config name; expected keep<ratio>_k<bits>_v<bits>, "
+                            f"e.g. keep0.5_k4_v4")
+        try:
+            return cls(float(m[1]), int(m[2]), int(m[3]))
+        except (PlanError, ValueError) as e:
+            raise PlanError(f"{where}={name!r}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "layer config") -> LayerConfig:

@@ -1,7 +1,8 @@
 """The measured objective of a plan search: teacher-forced continuation KL against the full cache.
 
-Each held-out sequence is prefilled once at full precision (:class:`moend_fx.eval.proxy.HeldOutSequence`: its
-per-layer K/V, eviction scores and the full cache's next-token distributions), so a trial costs only what the
+Each held-out sequence is prefilled once at full precision
+(:class:`moend_fx.calibration.continuation.ContinuationKL`: its per-layer K/V, eviction scores and the full
+cache's next-token distributions), so a trial costs only what the
 plan changes: compressing each layer's context as the cache does and running the continuation tokens against
 it. Measured loss = mean over sequences of the mean over continuation positions of KL(p_full || p_plan), the
 quantity ``moend bench proxy`` correlates the table's predicted loss with.
@@ -17,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from moend_fx.calibration.continuation import ContinuationKL
 from moend_fx.calibration.data import token_sequences
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_TOKENS
-from moend_fx.eval.proxy import HeldOutSequence
 from moend_fx.plan.routing import LayerConfig
 
 # The proxy validation's capture window (its ProxySettings.window): the queries the scorer statistics see.
@@ -62,10 +63,10 @@ class MeasuredKL:
         """ids: [N, context + continuation] token ids; each row is prefilled once here."""
         self.table = table
         self.configs = table.grid.configs
-        self.sequences: list[HeldOutSequence] = []
+        self.sequences: list[ContinuationKL] = []
         t0 = time.perf_counter()
         for i in range(ids.shape[0]):
-            self.sequences.append(HeldOutSequence(model, table, ids[i], context, CAPTURE_WINDOW))
+            self.sequences.append(ContinuationKL(model, table, ids[i], context, CAPTURE_WINDOW))
             if progress is not None:
                 progress(i + 1, ids.shape[0])
         self.prefill_s = time.perf_counter() - t0

@@ -91,7 +91,7 @@ class Problem:
     def of(cls, table: SensitivityTable, settings: SearchSettings) -> Problem:
         ctx = settings.text.tokens
         parsed = parse_budget(settings.budget, table.fingerprint, ctx)
-        S = np.asarray(table.S, dtype=np.float64)
+        S = np.asarray(table.loss, dtype=np.float64)
         B = np.asarray(table.bytes_matrix(ctx), dtype=np.int64)
         if parsed.bytes < min_feasible_bytes(B):
             raise_infeasible(parsed.bytes, min_feasible_bytes(B))

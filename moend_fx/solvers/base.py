@@ -148,7 +148,7 @@ class Solver:
         check_int("context_length", context_length)
         fp = table.fingerprint
         parsed = parse_budget(budget, fp, context_length, batch)
-        S, B = check_arrays(table.S, table.bytes_matrix(context_length, batch))
+        S, B = check_arrays(table.loss, table.bytes_matrix(context_length, batch))
         if S.shape != (fp.num_layers, len(table.grid)):
             raise MoendError(f"table S has shape {S.shape}; expected [num_layers={fp.num_layers}, "
                              f"configs={len(table.grid)}]")

@@ -8,7 +8,7 @@ import torch
 
 from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.calibration.capture import AttentionCapture
-from moend_fx.calibration.pipeline import kept_tokens
+from moend_fx.calibration.prefill import kept_tokens
 from moend_fx.common.defaults import CALIBRATION_WINDOW, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import build_scorer

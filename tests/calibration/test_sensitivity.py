@@ -40,6 +40,8 @@ def assert_same(a: SensitivityTable, b: SensitivityTable) -> None:
     assert a.S.tobytes() == b.S.tobytes()  # bit-exact
     assert (a.grid, a.fingerprint, a.group_size, a.calibration) == (b.grid, b.fingerprint, b.group_size,
                                                                     b.calibration)
+    assert (a.gain is None) == (b.gain is None)
+    assert a.gain is None or a.gain.tobytes() == b.gain.tobytes()
     assert sorted(a.query_stats) == sorted(b.query_stats)
     for k in a.query_stats:
         assert a.query_stats[k].dtype == b.query_stats[k].dtype
@@ -239,3 +241,42 @@ def test_bytes_matrix_prices_the_eviction_state_of_the_scorer_the_cache_will_use
     assert table.priced_for("snapkv", calibrated=False) == table  # pricing is not part of the table's data
     no_stats = make_table(with_stats=False)
     assert (no_stats.bytes_matrix(512)[0] == snap[0]).all()  # trig without statistics keeps the same window
+
+
+def test_gains_make_the_loss_an_end_to_end_estimate_and_round_trip(tmp_path):
+    """With gains, loss = gain[l] * S**2 (what predicted_loss sums and the solvers minimise); saved and loaded
+    bit for bit; without, loss is S itself."""
+    t = make_table()
+    assert t.gain is None and t.loss is t.S
+    gain = np.array([0.5, 2.0, 40.0])
+    g = SensitivityTable(S=t.S, grid=t.grid, fingerprint=FP, group_size=32, calibration=t.calibration,
+                         query_stats=t.query_stats, gain=gain)
+    np.testing.assert_array_equal(g.loss, gain[:, None] * t.S ** 2)
+    cfgs = [LayerConfig(0.25, 16, 16), LayerConfig(1.0, 8, 4), LayerConfig(0.5, 4, 4)]
+    want = sum(gain[l] * t.S[l, t.grid.index(c)] ** 2 for l, c in enumerate(cfgs))
+    assert g.predicted_loss(cfgs) == pytest.approx(want, rel=1e-12)
+    g.save(tmp_path / "g.safetensors")
+    assert_same(SensitivityTable.load(tmp_path / "g.safetensors"), g)
+
+
+@pytest.mark.parametrize("gain", [np.array([1.0, 2.0]), np.array([1.0, 0.0, 2.0]), np.array([1.0, np.nan, 2.0]),
+                                  np.array([1.0, -1.0, 2.0])])
+def test_bad_gains_are_refused(gain):
+    t = make_table()
+    with pytest.raises(TableError, match="gain must be"):
+        SensitivityTable(S=t.S, grid=t.grid, fingerprint=FP, group_size=32, gain=gain)
+
+
+def test_solvers_minimise_the_gained_loss():
+    """The same S with gains that make layer 0 the most sensitive: the greedy plan spends its bytes there."""
+    from moend_fx.solvers import get_solver
+
+    grid = Grid((0.25, 1.0), (16,), (16,))
+    S = np.tile([[0.5, 0.0]], (3, 1))  # keep 0.25 costs the same error on every layer
+    plain = SensitivityTable(S=S, grid=grid, fingerprint=FP, group_size=32)
+    gained = SensitivityTable(S=S, grid=grid, fingerprint=FP, group_size=32, gain=np.array([100.0, 1.0, 1.0]))
+    budget = int(plain.bytes_matrix(256)[0].sum() + plain.bytes_matrix(256)[0, 0])  # one layer full, two evict
+    plan = get_solver("exact").solve(gained, budget, context_length=256).plan
+    assert [c.keep_ratio for c in plan.layers] == [1.0, 0.25, 0.25]
+    assert get_solver("greedy").solve(gained, budget, context_length=256).predicted_loss == pytest.approx(0.5)
+    assert get_solver("exact").solve(plain, budget, context_length=256).predicted_loss == pytest.approx(1.0)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from moend_fx.calibration.continuation import ContinuationKL
 from moend_fx.calibration.pipeline import calibrate
 from moend_fx.common.errors import MoendError, TableError
 from moend_fx.eval.proxy import (
-    HeldOutSequence,
     ProxySettings,
     correlations,
     markdown_report,
@@ -42,7 +42,7 @@ def table(model):
 @pytest.fixture(scope="module")
 def seq(model, table):
     ids = torch.randint(0, 256, (184,), generator=torch.Generator().manual_seed(4))
-    return HeldOutSequence(model, table, ids, 160, 64), ids
+    return ContinuationKL(model, table, ids, 160, 64), ids
 
 
 def test_lossless_plan_equals_full_forward(model, seq):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from moend_fx.calibration.continuation import ContinuationKL
 from moend_fx.calibration.data import token_sequences
 from moend_fx.common.errors import MoendError
-from moend_fx.eval.proxy import HeldOutSequence
 from moend_fx.search import HeldOutText, MeasuredKL
 from moend_fx.search.objective import CAPTURE_WINDOW, held_out_objectives
 from tests.search import helpers
@@ -29,7 +29,7 @@ def test_mean_kl_is_the_mean_of_the_heldout_sequences_and_lossless_is_zero(parts
     rng = np.random.default_rng(0)
     idx = [int(rng.integers(0, len(configs))) for _ in range(t.num_layers)]
     layers = tuple(configs[i] for i in idx)
-    direct = [HeldOutSequence(m, t, ids[i], helpers.TEXT.tokens, CAPTURE_WINDOW).kl(layers)
+    direct = [ContinuationKL(m, t, ids[i], helpers.TEXT.tokens, CAPTURE_WINDOW).kl(layers)
               for i in range(ids.shape[0])]
     # the same computation on the same prefill: equal to float64 rounding of the mean
     assert obj(idx) == pytest.approx(float(np.mean(direct)), rel=1e-12, abs=0)
@@ -43,8 +43,8 @@ def test_a_plan_is_measured_once(parts, monkeypatch):
     m, t = parts
     obj = helpers.objective(m, t)
     calls = []
-    orig = HeldOutSequence.kl
-    monkeypatch.setattr(HeldOutSequence, "kl", lambda self, layers: calls.append(1) or orig(self, layers))
+    orig = ContinuationKL.kl
+    monkeypatch.setattr(ContinuationKL, "kl", lambda self, layers: calls.append(1) or orig(self, layers))
     a = obj([0] * t.num_layers)
     b = obj([0] * t.num_layers)
     assert a == b and len(calls) == helpers.TEXT.search
