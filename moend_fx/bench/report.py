@@ -42,8 +42,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("solvers", "Solvers: speed and optimality gaps", "moend bench solvers",
                 "Predicted loss of each solver against the exact optimum, and solve times."),
     SectionSpec("proxy", "Calibration proxy vs end-to-end KL", "moend bench proxy",
-                "Does the sensitivity table predict quality? Predicted loss (sum of S over layers) against the "
-                "measured KL of next-token distributions vs the full cache, and the per-layer spread of S."),
+                "Does the sensitivity table predict quality? Predicted loss (sum over layers of gain * S^2, an "
+                "end-to-end KL estimate; the paper's sum of S for a table without gains) against the measured KL "
+                "of next-token distributions vs the full cache, and the per-layer spread of S."),
     SectionSpec("search", "Measured plan search: is greedy end-to-end optimal?", "moend bench search",
                 "Greedy and exact plans against the best plan an Optuna search finds on measured continuation KL "
                 "around them, under the same byte budget, re-measured on held-out sequences."),

@@ -67,7 +67,7 @@ class CalibrationSettings:
     (:mod:`moend_fx.calibration.gains`; it need not be in the grid), or None for the paper's plain ``sum S``."""
 
     tokens: int = CALIBRATION_TOKENS
-    num_sequences: int = 1
+    num_sequences: int = 2
     seed: int = 0
     scorer: ScorerName = ScorerName.TRIG
     window: int = CALIBRATION_WINDOW

@@ -1,4 +1,5 @@
-"""Does the table predict quality? Predicted loss ``sum_l S[l, c_l]`` vs measured end-to-end KL.
+"""Does the table predict quality? Its predicted loss (``sum_l gain[l] * S[l, c_l] ** 2`` with per-layer gains,
+the paper's ``sum_l S[l, c_l]`` without) vs measured end-to-end KL.
 
 For each held-out sequence (context of ``tokens`` tokens + a teacher-forced continuation of
 ``continuation`` tokens, text the calibration never saw: the ``"heldout"`` split of
@@ -54,7 +55,7 @@ PAPER_CORRELATION = {"pearson": 0.945, "spearman": 0.937}
 # markdown_report and write_report (moend_fx.eval.proxy_report) are part of this module's API.
 __all__ = ["DEFAULT_BUDGETS", "PAPER_CORRELATION", "PAPER_SPREAD", "PlanResult", "ProxySettings",
            "correlations", "markdown_report", "random_plans",
-           "solver_plans", "spread_rows", "validate_proxy", "write_report"]
+           "predictor", "solver_plans", "spread_rows", "validate_proxy", "write_report"]
 DEFAULT_BUDGETS: tuple[str, ...] = ("1.5x", "2x", "3x", "4x", "6x", "8x", "12x", "16x")
 
 
@@ -144,6 +145,14 @@ def correlations(pred: list[float], meas: list[float]) -> dict[str, float]:
             "n": len(pred)}
 
 
+def predictor(table: SensitivityTable) -> str:
+    """What the table's predicted loss sums, in words."""
+    if table.gain is None:
+        return "sum of S"
+    probe = (table.calibration.get("gains") or {}).get("probe", "?")
+    return f"sum of gain * S^2, per-layer gains from probe {probe}"
+
+
 def spread_rows(table: SensitivityTable) -> list[dict[str, Any]]:
     """Per-layer spread (max/min over layers of S) for the paper's six columns, with the paper's value."""
     rows = []
@@ -151,7 +160,10 @@ def spread_rows(table: SensitivityTable) -> list[dict[str, Any]]:
         if cfg not in table.grid.configs:
             continue
         col = table.column(cfg)
+        loss = table.loss[:, table.grid.index(cfg)]
         rows.append({"name": name, "config": cfg.name, "ours": table.spread(cfg), "paper": paper,
+                     "loss": None if table.gain is None else (float(loss.max() / loss.min()) if loss.min() > 0
+                                                              else float("inf")),
                      "min": float(col.min()), "max": float(col.max()),
                      "argmin_layer": int(col.argmin()), "argmax_layer": int(col.argmax())})
     return rows
@@ -196,6 +208,7 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
     return {
         "settings": {**asdict(settings), "budgets": list(settings.budgets)},
         "heldout_source": source,
+        "predictor": predictor(table),
         "table": {"calibration": table.calibration, "model": table.fingerprint.to_dict(),
                   "grid": table.grid.to_dict(), "group_size": table.group_size},
         "correlation": {

@@ -25,7 +25,7 @@ def markdown_report(result: dict[str, Any]) -> str:
     s = result["settings"]
     c = result["correlation"]
     lines = [
-        "# Proxy validation: predicted loss (sum of S) vs end-to-end KL",
+        f"# Proxy validation: predicted loss ({result.get('predictor', 'sum of S')}) vs end-to-end KL",
         "",
         f"Held-out: {s['sequences']} sequences x {s['tokens']} context tokens + {s['continuation']} "
         f"teacher-forced continuation tokens (split `heldout`, seed {s['seed']}); "
@@ -39,11 +39,17 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append(f"| {k} | {c[k]['n']} | {_fmt(c[k]['pearson'])} | {_fmt(c[k]['spearman'])} |")
     lines.append(f"| paper (DeepSeek-R1-Distill-Qwen-7B) | - | {c['paper']['pearson']} | "
                  f"{c['paper']['spearman']} |")
-    lines += ["", "## Per-layer spread (max / min over layers of S)", "",
-              "| column | ours | paper | min S (layer) | max S (layer) |", "| --- | --- | --- | --- | --- |"]
+    gained = any(r.get("loss") is not None for r in result["spread"])
+    lines += ["", "## Per-layer spread (max / min over layers of S)", ""]
+    if gained:
+        lines += ["The last column is the spread of the predicted loss gain * S^2 (what a layer's error costs end to "
+                  "end), the comparable figure to the paper's sensitivity spread.", ""]
+    head = "| column | ours | paper | min S (layer) | max S (layer) |" + (" ours, gain x S^2 |" if gained else "")
+    lines += [head, "| --- " * (6 if gained else 5) + "|"]
     for r in result["spread"]:
-        lines.append(f"| {r['name']} | {_fmt(r['ours'], 1)}x | {r['paper']}x | {_fmt(r['min'], 4)} "
-                     f"({r['argmin_layer']}) | {_fmt(r['max'], 4)} ({r['argmax_layer']}) |")
+        row = (f"| {r['name']} | {_fmt(r['ours'], 1)}x | {r['paper']}x | {_fmt(r['min'], 4)} "
+               f"({r['argmin_layer']}) | {_fmt(r['max'], 4)} ({r['argmax_layer']}) |")
+        lines.append(row + (f" {_fmt(r.get('loss'), 0)}x |" if gained else ""))
     lines += ["", "## Plans", "", "| plan | kind | x vs 16-bit | predicted | measured KL |",
               "| --- | --- | --- | --- | --- |"]
     for p in sorted(result["plans"], key=lambda p: p["predicted"]):

@@ -122,6 +122,21 @@ def test_spread_rows(table):
     r = rows["keep0.25_k16_v16"]
     col = table.column(LayerConfig(0.25, 16, 16))
     assert r["ours"] == pytest.approx(col.max() / col.min()) and r["paper"] == 548.0
+    loss = table.gain * col ** 2  # the tiny table has gains (the default): the spread of what a layer's error costs
+    assert r["loss"] == pytest.approx(loss.max() / loss.min())
+
+
+def test_report_names_the_predictor(model, table, tmp_path):
+    import dataclasses
+
+    settings = ProxySettings(sequences=1, tokens=160, continuation=16, random_plans=3, budgets=("2x",), window=32)
+    res = validate_proxy(model, None, table, settings)
+    assert res["predictor"].startswith("sum of gain * S^2") and "keep0.5_k4_v4" in res["predictor"]
+    md = markdown_report(res)
+    assert "predicted loss (sum of gain * S^2" in md and "ours, gain x S^2" in md
+    plain = validate_proxy(model, None, dataclasses.replace(table, gain=None), settings)
+    assert plain["predictor"] == "sum of S" and all(r["loss"] is None for r in plain["spread"])
+    assert "(sum of S)" in markdown_report(plain) and "gain x S^2" not in markdown_report(plain)
 
 
 def test_correlations():
