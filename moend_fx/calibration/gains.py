@@ -30,10 +30,11 @@ from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.errors import MoendError
 from moend_fx.plan.routing import LayerConfig
 
-__all__ = ["DEFAULT_PROBE", "GAIN_FLOOR", "continuation_split", "layer_gains"]
+__all__ = ["RECOMMENDED_PROBE", "GAIN_FLOOR", "continuation_split", "layer_gains"]
 
-DEFAULT_PROBE = "keep0.5_k4_v4"
-"""The probe config: it both evicts and quantizes, as the plans at 8-14x do. Of three probes tried on SmolLM2
+RECOMMENDED_PROBE = "keep0.5_k4_v4"
+"""The probe of the published gained tables (``moend calibrate --gain-probe keep0.5_k4_v4 --sequences 2``): it
+both evicts and quantizes, as the plans at 8-14x do. Of three probes tried on SmolLM2
 (keep 0.25 16/16, keep 1.0 K4/V4, this one) it ranked held-out plans best; the three gave gains whose
 per-layer order agrees at Spearman 0.86-0.90 (docs/calibration.md)."""
 

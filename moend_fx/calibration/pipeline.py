@@ -14,11 +14,9 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
    take the relative L2 error against the same computation on the uncompressed K/V.
 
-``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`). Then
-per-layer gains (:mod:`moend_fx.calibration.gains`, unless ``gain_probe`` is None) turn S into a predicted
-end-to-end KL, ``gain[l] * S[l, c] ** 2``. The
-query statistics trig scores with are accumulated on every token but the measured window's. Memory: one
-sequence's captures (O(L * T * D)), freed layer by layer; attention is O(W * T) per layer, never O(T^2).
+``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`); optional
+per-layer gains follow (:mod:`moend_fx.calibration.gains`). Trig's query statistics exclude the measured window.
+Memory: one sequence's captures (O(L * T * D)), freed per layer; attention is O(W * T) per layer, never O(T^2).
 """
 
 from __future__ import annotations
@@ -32,10 +30,11 @@ import torch
 
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
-from moend_fx.calibration.gains import DEFAULT_PROBE, GAIN_FLOOR, continuation_split, layer_gains
+from moend_fx.calibration.gains import continuation_split, layer_gains
 from moend_fx.calibration.monotone import monotone_in_keep
 from moend_fx.calibration.prefill import kept_tokens, model_body
-from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
@@ -50,9 +49,9 @@ __all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", 
            "stale_reason", "window_attention"]
 
 
-CALIBRATION_VERSION = 3
-_VERSION_NOTE = ("3: per-layer gains (the predicted loss is an end-to-end KL); 2: query statistics exclude the "
-                 "measured window, S monotone in keep ratio, the cache's keep floor")
+CALIBRATION_VERSION = 2
+_VERSION_NOTE = ("2: query statistics exclude the measured window, S monotone in keep ratio, the cache's "
+                 "keep floor")
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,11 @@ class CalibrationSettings:
     window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
     ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tail: each text sequence ends with ``window``
     tokens of questions about its earlier records (``moend_fx.calibration.data.retrieval_tail``), so the measured
-    queries retrieve facts (text sequences only; random ids have none). gain_probe: the config name
-    (``keep<ratio>_k<bits>_v<bits>``) whose end-to-end KL per layer sets the per-layer gains
-    (:mod:`moend_fx.calibration.gains`; it need not be in the grid), or None for the paper's plain ``sum S``."""
+    queries retrieve facts (text sequences only; random ids have none). gain_probe: None (the paper's ``sum S``) or
+    the config name whose one-layer KL sets per-layer gains (:mod:`moend_fx.calibration.gains`; any config)."""
 
     tokens: int = CALIBRATION_TOKENS
-    num_sequences: int = 2
+    num_sequences: int = 1
     seed: int = 0
     scorer: ScorerName = ScorerName.TRIG
     window: int = CALIBRATION_WINDOW
@@ -75,7 +73,7 @@ class CalibrationSettings:
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
     retrieval_tail: bool = False
-    gain_probe: str | None = DEFAULT_PROBE
+    gain_probe: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens", "num_sequences", "window"):
@@ -95,7 +93,6 @@ class CalibrationSettings:
 
     @property
     def probe(self) -> LayerConfig | None:
-        """The gain probe config, None without gains."""
         return None if self.gain_probe is None else LayerConfig.from_name(self.gain_probe)
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,11 +164,9 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
                  extra: tuple[LayerConfig, ...] = ()) -> np.ndarray:
     """Relative L2 error of the window queries' attention output for every grid config, then for each config of
     ``extra`` (configs outside the grid, e.g. the gain probe): [C + len(extra)] float64."""
-    def axis(values: tuple[Any, ...], more: list[Any]) -> tuple[Any, ...]:
-        return values + tuple(dict.fromkeys(m for m in more if m not in values))
-
-    measured = Grid(axis(grid.keep_ratios, [c.keep_ratio for c in extra]), axis(grid.k_bits, [c.k_bits for c in extra]),
-                    axis(grid.v_bits, [c.v_bits for c in extra]))
+    axes = [(getattr(grid, f), [getattr(c, n) for c in extra]) for f, n in
+            (("keep_ratios", "keep_ratio"), ("k_bits", "k_bits"), ("v_bits", "v_bits"))]
+    measured = Grid(*(vals + tuple(dict.fromkeys(m for m in more if m not in vals)) for vals, more in axes))
     b, hkv, t, _ = cap.keys.shape
     q, qpos = cap.queries, cap.query_positions  # [B, H, W, D], [B, W]
 
@@ -288,8 +283,7 @@ def calibrate(
     gains = None
     if probe is not None:
         context, cont = continuation_split(settings.tokens, settings.window)
-        gains = {"probe": probe.name, "probe_S": errors[:, -1].tolist(), "context": context, "continuation": cont,
-                 "floor": GAIN_FLOOR}
+        gains = {"probe": probe.name, "probe_S": errors[:, -1].tolist(), "context": context, "continuation": cont}
     calibration = {**settings.to_dict(), "version": CALIBRATION_VERSION,
                    "scorer_options": scorer_options(settings.scorer), "monotone": monotone,
                    "setting": str(SCORERS[settings.scorer].setting),

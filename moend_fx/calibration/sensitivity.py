@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from moend_fx.calibration.stats_arrays import STATS_PREFIX, _check_stats, _stats_key
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError, PlanError, TableError
@@ -35,11 +36,6 @@ from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPl
 
 TABLE_FORMAT = "moend_fx.calibration.sensitivity"
 TABLE_FORMAT_VERSION = 1
-STATS_PREFIX = "query_stats."
-
-
-def _stats_key(layer: int, part: str) -> str:
-    return f"{STATS_PREFIX}layers.{layer}.{part}"
 
 
 @dataclass(frozen=True)
@@ -291,31 +287,3 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
     if not isinstance(meta, dict):
         raise TableError(f"{where} has no metadata; it was not written by moend_fx (format {TABLE_FORMAT!r})")
     return meta
-
-
-def _check_stats(stats: dict[str, np.ndarray], fp: ModelFingerprint, where: str) -> None:
-    """Query-stat tensors, if any, must cover every layer with [num_heads, head_dim/2(, 2)] shapes."""
-    if not stats:
-        return
-    f = fp.head_dim // 2
-    for l in range(fp.num_layers):
-        shapes = {"sum": (fp.num_heads, f, 2), "abs_sum": (fp.num_heads, f), "count": (1,)}
-        for part, shape in shapes.items():
-            k = _stats_key(l, part)
-            if k not in stats:
-                raise TableError(f"{where}: query statistics miss {k!r} (every layer needs sum, abs_sum, count)")
-            if tuple(stats[k].shape) != shape:
-                raise TableError(f"{where}: {k} has shape {tuple(stats[k].shape)}; the model "
-                                 f"(num_heads={fp.num_heads}, head_dim={fp.head_dim}) needs {shape}")
-    extra = set(stats) - {_stats_key(l, p) for l in range(fp.num_layers) for p in ("sum", "abs_sum", "count")}
-    if extra:
-        raise TableError(f"{where}: unexpected tensor(s) {sorted(extra)[:5]}")
-
-
-def stats_to_arrays(stats: dict[int, Any]) -> dict[str, np.ndarray]:
-    """{layer: QueryStats} -> the flat arrays a table stores (count as [1] int64)."""
-    out: dict[str, np.ndarray] = {}
-    for l, st in sorted(stats.items()):
-        for k, t in st.to_tensors(prefix=_stats_key(l, "")).items():
-            out[k] = t.reshape(1).numpy() if k.endswith("count") else t.numpy()
-    return out

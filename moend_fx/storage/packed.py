@@ -79,8 +79,7 @@ def _fresh(x: torch.Tensor) -> torch.Tensor:
     # A new tensor with those strides, not a permuted clone: that is a view, and once the batch axis is symbolic
     # dynamo guards a view on its base, which an inductor graph's outputs lack (a recompile on the next step).
     b, h, r, d = x.shape
-    out = torch.empty_strided((b, h, r, d), (h * d, d, b * h * d, 1), dtype=x.dtype, device=x.device)
-    return out.copy_(x)
+    return torch.empty_strided((b, h, r, d), (h * d, d, b * h * d, 1), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def slot_positions(start: Any, stop: Any, like: torch.Tensor) -> torch.Tensor:

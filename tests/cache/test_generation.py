@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.cache.moend_cache import MoENDCache
-from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.errors import MoendError, PlanError
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.models import tiny_model

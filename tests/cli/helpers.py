@@ -5,7 +5,8 @@ import re
 
 import torch
 
-from moend_fx.calibration.sensitivity import SensitivityTable, stats_to_arrays
+from moend_fx.calibration.sensitivity import SensitivityTable
+from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.eviction.rope import QueryStats
 
 

@@ -36,7 +36,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def table(model):
-    return calibrate(model, tokens=160, num_sequences=1, grid=GRID)
+    return calibrate(model, tokens=160, num_sequences=1, grid=GRID, gain_probe="keep0.5_k4_v4")
 
 
 @pytest.fixture(scope="module")
