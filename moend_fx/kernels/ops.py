@@ -213,6 +213,13 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or interpreted or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _direct_cpu(q: torch.Tensor) -> bool:
+    """Whether an "auto" call may run the CPU kernel directly: eager (a traced graph needs the op node), a plain
+    CPU tensor (fake and other subclasses go through the dispatcher) and no autograd to record."""
+    return (q.device.type == "cpu" and type(q) is torch.Tensor and not q.requires_grad
+            and not torch.compiler.is_compiling())
+
+
 def packed_attention(
     q: torch.Tensor, layer: PackedKV, *, scale: float | None = None, causal: bool = True,
     mask: torch.Tensor | None = None, kernel: Kernel | str = Kernel.AUTO, num_splits: int = 0,
@@ -230,6 +237,10 @@ def packed_attention(
     cfg = layer.config
     args = (q, *layer_tensors(layer), cfg.k_bits, cfg.v_bits, layer.group_size, scale, causal, mask)
     if kernel == Kernel.AUTO:
+        if _direct_cpu(q):
+            # the op's own CPU kernel, called without the dispatcher: the custom-op wrapping (autograd and
+            # dynamo-disable layers) costs ~0.4 ms a call, more than the kernel itself on an eager decode step
+            return _checked(_cpu_impl)(*args)
         return torch.ops.moend.packed_attention(*args)
     check_inputs(*args)
     if kernel == Kernel.REFERENCE:

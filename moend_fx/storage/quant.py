@@ -174,18 +174,19 @@ def quantize(x: torch.Tensor, bits: int, group_size: int = GROUP_SIZE,
         check_power_of_two("group_size", group_size, error=MoendError)
     b, h, n, d = x.shape
     xg, _ = _group_view(x.float(), group_size, mode)
-    mn = xg.amin(dim=-1, keepdim=True)
-    mx = xg.amax(dim=-1, keepdim=True)
+    mn, mx = torch.aminmax(xg, dim=-1, keepdim=True)
     qmax = (1 << bits) - 1
     zero16 = mn.to(torch.float16)
-    scale16 = ((mx - zero16.float()) / qmax).to(torch.float16)
+    zero = zero16.float()
+    scale16 = ((mx - zero) / qmax).to(torch.float16)
     # Reading the check's value is a data-dependent branch: under torch.compile it would break the graph of
-    # every decode step that flushes a group, so compiled code skips it (eager code still raises).
-    if not torch.compiler.is_compiling() and not (torch.isfinite(scale16).all() and torch.isfinite(zero16).all()):
+    # every decode step that flushes a group, so compiled code skips it (eager code still raises). The scales
+    # alone tell: a non-finite or out-of-fp16-range min (the zero) makes its group's scale inf or nan too.
+    if not torch.compiler.is_compiling() and not torch.isfinite(scale16).all():
         raise MoendError("cannot quantize: values are not finite or exceed the fp16 range of scales (65504)")
     scale = scale16.float()
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    codes = torch.clamp(torch.round((xg - zero16.float()) * inv), 0, qmax).to(torch.uint8)
+    inv = scale.reciprocal().where(scale > 0, 0.0)
+    codes = ((xg - zero) * inv).round_().clamp_(0, qmax).to(torch.uint8)
     if mode == QuantMode.CHANNEL:
         # back to token-major so each token's row packs along head_dim
         codes = codes.transpose(-1, -2)
