@@ -55,8 +55,7 @@ class Evictor:
         self.decode_steps = 0
         self.queries_seen = 0  # queries observed while evicting (what the window's bytes follow)
         self._check_in = 0  # capacity mode: decode steps until the next fit check
-        # (True, the step's bool mask [B, 1, 1, S] or None) after a compiled decode step left its count and
-        # eviction to finish_deferred, else (False, None)
+        # (True, the step's mask [B, 1, 1, S] or None) while a compiled step's count and eviction wait, else False
         self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
 
     @property
@@ -80,7 +79,10 @@ class Evictor:
         elif self.rope_offset is None:
             self.rope_offset = torch.zeros(b, dtype=torch.long, device=q.device)
         if self.needs_queries and (n_q > 1 or self.scorer.decode_queries):
-            self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
+            if n_q == 1 and torch.compiler.is_compiling():
+                self.window.hold(q)  # pushed by finish_deferred: see QueryWindow.hold
+            else:
+                self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
 
     def unpadded(self, batch: int, device: torch.device, tokens: int) -> None:
         """A prompt of ``tokens`` tokens loaded without its queries (its scorer reads none): rows are unpadded, so
@@ -118,8 +120,9 @@ class Evictor:
 
     @torch.compiler.disable
     def finish_deferred(self, packed: PackedKV, logical: int) -> PackedKV:
-        """The deferred step's :meth:`decode_step`, with its mask."""
+        """The deferred step's :meth:`decode_step`, with its mask (its query joins the window first)."""
         lmask, self._deferred = self._deferred[1], (False, None)
+        self.window.push_held(logical - 1, self.rope_offset)
         return self.decode_step(packed, lmask, logical)
 
     def evict(self, kv: PackedKV | DenseKV, lmask: torch.Tensor | None, *, chunk: bool, logical: int) -> PackedKV:
@@ -195,8 +198,7 @@ class Evictor:
         kw = dict(batch=batch, dtype=dtype, room=room)
         m = None
         if groups:
-            drops = range(kv.num_groups + 1)
-            m = self.budget.target([n - d * self.group_size for d in reversed(drops)], logical,
+            m = self.budget.target([n - d * self.group_size for d in reversed(range(kv.num_groups + 1))], logical,
                                    self.queries_seen, **kw)
             m = None if m is None or m > limit else m
         if m is None:
@@ -236,9 +238,7 @@ class Evictor:
         pos = slot_positions(0, n, like)
         seen = torch.full((batch,), logical) if lmask is None else lmask[:, 0, -1, :].sum(-1).cpu()
         self.rope_offset = (logical - seen).long().to(like.device)
-        if isinstance(kv, DenseKV):
-            return kv._replace(positions=pos)
-        return kv.with_positions(pos)
+        return kv._replace(positions=pos) if isinstance(kv, DenseKV) else kv.with_positions(pos)
 
     # ------------------------------------------------------------------ how
     def _has_groups(self, kv: PackedKV) -> bool:

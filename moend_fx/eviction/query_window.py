@@ -26,6 +26,22 @@ class QueryWindow:
         self.queries: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None  # a compiled decode step's query [B, H, 1, D], not yet pushed
+
+    def hold(self, query: torch.Tensor) -> None:
+        """Keep a compiled decode step's query [B, H, 1, D] for :meth:`push_held`, which runs outside the graph.
+
+        Why: a window still filling (a keep-1.0 layer that started evicting mid-decode) grows by one query a
+        step, and a graph that pushed would be guarded on its length: recompiled when it leaves size 1 and
+        again when it fills. The held query is the step's transient, like its mask: not counted in the bytes."""
+        self.held = query
+
+    def push_held(self, slot: int, rope_offset: torch.Tensor) -> None:
+        """Push the held query (if any) at logical ``slot``, its rows' RoPE offsets rope_offset [B]."""
+        if self.held is not None:
+            q, self.held = self.held, None
+            slots = torch.tensor([slot], device=q.device)
+            self.push(q, slots, slots[None, :] - rope_offset[:, None])
 
     @staticmethod
     def bytes_for(*, batch: int, num_heads: int, head_dim: int, seen: int, size: int) -> int:

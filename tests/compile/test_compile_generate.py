@@ -205,3 +205,20 @@ def graphs_fused_with_mask(graphs):
             layers.add(n.meta["moend_layer"])
         assert [n.meta["moend_layer"] for n in gm.graph.nodes if is_sdpa(n)] == [1]  # only the 16/16 layer
     return sorted(layers)
+
+
+def test_a_window_that_fills_during_decode_does_not_recompile():
+    """Capacity mode with a scorer that reads a window of queries at decode: the keep-1.0 layers start evicting
+    past the plan's 128 tokens with an empty window that then grows by one query a step. The graph pushes
+    nothing (finish_deferred does, outside it), so the window's length never guards it: as many graphs as with
+    a scorer that keeps no window (test above). Tokens and bytes equal eager."""
+    model = _model()
+    plan = _plan(model, (LayerConfig(0.5, 4, 8), LayerConfig(1.0, 16, 16), LayerConfig(1.0, 8, 2)))
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(1))
+    want, want_cache, got, got_cache, graphs = _eager_then_compiled(model, plan, ids, 120, scorer="snapkv")
+    assert torch.equal(got, want)
+    assert got_cache.nbytes() == want_cache.nbytes() == got_cache.model_bytes()
+    assert all(layer.evictor.evicting for layer in got_cache.layers)
+    windows = [layer.evictor.window.queries.shape[2] for layer in got_cache.layers]
+    assert windows == [layer.evictor.window.size for layer in got_cache.layers]  # they filled while compiled
+    assert len(graphs) <= 4, f"{len(graphs)} compiled graphs over 120 decode steps"  # 7 when the graph pushed
