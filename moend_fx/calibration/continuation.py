@@ -15,6 +15,8 @@ and calibration's per-layer gains (:mod:`moend_fx.calibration.gains`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,16 +96,42 @@ class ContinuationKL:
                 self.scores.append(scorer.score(c.keys, c.values, queries=c.queries, key_positions=kp,
                                                 query_positions=c.query_positions))
         lossless = LayerConfig(1.0, 16, 16)
-        self.ref_logp = self.log_probs((lossless,) * table.num_layers)
+        self.decoder_layers = list(getattr(model_body(model), "layers", []))
+        self.outputs: list[Any] = []  # each decoder layer's output in the full-precision continuation
+        hooks = [layer.register_forward_hook(lambda _m, _a, out: self.outputs.append(out))
+                 for layer in self.decoder_layers]
+        try:
+            self.ref_logp = self.log_probs((lossless,) * table.num_layers)
+        finally:
+            for h in hooks:
+                h.remove()
+        if len(self.outputs) != len(self.decoder_layers):
+            self.decoder_layers, self.outputs = [], []  # not one call per layer: replay nothing
 
     def log_probs(self, layers: tuple[LayerConfig, ...]) -> torch.Tensor:
         """log p [M, V] float64 of the continuation under a plan."""
-        with torch.no_grad():
+        with torch.no_grad(), self._replayed(layers):
             kv = [compressed_kv(c, cfg, s, group_size=self.group_size, sink_tokens=self.sink,
                                 recent_tokens=self.recent)
                   for c, cfg, s in zip(self.layers, layers, self.scores)]
             logits = continuation_logits(self.model, self.cont, self.context, kv)
         return torch.log_softmax(logits[0].double(), dim=-1)
+
+    @contextmanager
+    def _replayed(self, layers: tuple[LayerConfig, ...]) -> Iterator[None]:
+        """Within: the decoder layers before the plan's first lossy one return their recorded full-precision
+        outputs instead of running. They hold the same K/V as in the reference pass and see the same input, so
+        their outputs are the same, bit for bit; skipping them makes a one-layer probe (calibration's gains)
+        ~2x cheaper on average."""
+        first = next((i for i, c in enumerate(layers) if not c.lossless), len(layers))
+        skipped = self.decoder_layers[: min(first, len(self.outputs))]
+        for layer, out in zip(skipped, self.outputs):
+            layer.forward = lambda *_a, _out=out, **_k: _out
+        try:
+            yield
+        finally:
+            for layer in skipped:
+                del layer.forward
 
     def kl(self, layers: tuple[LayerConfig, ...]) -> float:
         """Mean over continuation positions of KL(p_full || p_plan)."""

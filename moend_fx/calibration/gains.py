@@ -15,7 +15,8 @@ the compressed prefill of the rest with only layer l compressed with the probe c
 where ``KL_l`` is the mean KL(p_full || p_l) over the continuation and ``S0[l]`` the layer's S at c0 (both
 averaged over the calibration sequences). The table then predicts a plan's KL as
 ``sum_l gain[l] * S[l, c_l] ** 2`` (:attr:`~moend_fx.calibration.sensitivity.SensitivityTable.loss`).
-Cost: one more prefill per sequence and one continuation pass per layer.
+Cost: one more prefill per sequence and, per layer l, a continuation pass through layers l.. only (the layers
+before it replay their recorded full-precision outputs: ``ContinuationKL``), about half a full pass on average.
 """
 
 from __future__ import annotations
