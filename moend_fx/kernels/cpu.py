@@ -7,7 +7,8 @@ upgrade rebuilds. It is compiled and linked with ``-fopenmp`` when torch's paral
 ``at::parallel_for`` runs on torch's own OpenMP pool (the system libgomp has the soname torch loads: one
 runtime); without it ``at::parallel_for`` is a serial loop. ``-mavx2 -mfma -mf16c`` are added only when this
 CPU reports those flags (else the portable loops are compiled), and ``-mavx512f -mavx512bw -mavx512vl`` (with
-``-mavx512vnni`` where present) on top of them when it has AVX-512 too (``moend_attn_avx512.h``). If the
+``-mavx512vnni``, and ``-mavx512vbmi`` beside it, where present) on top of them when it has AVX-512 too
+(``moend_attn_avx512.h``). If the
 compiler is missing or the build fails, one warning is issued and :func:`available` returns False: callers then
 use the reference path.
 
@@ -29,6 +30,7 @@ HEADERS = tuple(SOURCE.with_name(f"moend_attn_{part}.h") for part in ("simd", "l
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl"]  # the AVX-512 tier needs all three
 VNNI_FLAG = "-mavx512vnni"  # the AVX-512 tier's K loop over 16 tokens per register (vpdpbusd)
+VBMI_FLAG = "-mavx512vbmi"  # with VNNI: the integer V loop (byte permutes of 4 tokens' codes)
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "error": None}
 
@@ -57,8 +59,9 @@ def torch_uses_openmp() -> bool:
 
 def compile_flags(avx2: bool | None = None, avx512: bool | None = None, vnni: bool | None = None) -> list[str]:
     """-O3 (+ -fopenmp when torch uses OpenMP), plus AVX2/FMA/F16C when this CPU has them (CI builds on the
-    machine that runs it), plus AVX-512 F/BW/VL (+ VNNI) when it has those too. ``avx2=False`` forces the
-    portable loops, ``avx512=False`` the AVX2 ones, ``vnni=False`` the AVX-512 tier's pair K loop (tests)."""
+    machine that runs it), plus AVX-512 F/BW/VL (+ VNNI, + VBMI) when it has those too. ``avx2=False`` forces the
+    portable loops, ``avx512=False`` the AVX2 ones, ``vnni=False`` the AVX-512 tier's pair K loop and float V
+    loop (tests)."""
     flags = ["-O3", "-fopenmp" if torch_uses_openmp() else "-fopenmp-simd"]
     have = _cpu_flags()
     if avx2 is None:
@@ -71,7 +74,9 @@ def compile_flags(avx2: bool | None = None, avx512: bool | None = None, vnni: bo
         return flags + AVX2_FLAGS
     if vnni is None:
         vnni = "avx512_vnni" in have
-    return flags + AVX2_FLAGS + AVX512_FLAGS + ([VNNI_FLAG] if vnni else [])
+    if not vnni:
+        return flags + AVX2_FLAGS + AVX512_FLAGS
+    return flags + AVX2_FLAGS + AVX512_FLAGS + [VNNI_FLAG] + ([VBMI_FLAG] if "avx512vbmi" in have else [])
 
 
 def _build_name(flags: list[str], prefix: str = "moend_attn") -> str:

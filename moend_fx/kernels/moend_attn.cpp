@@ -97,13 +97,18 @@ void k_residual(const Args& a, int64_t bkv, int t0, int n, int rows, Scratch& s,
 template <int VB>
 void v_quantized(const Args& a, int64_t bkv, int t0, int n, int rows, const float* p, int ldl, Scratch& s) {
   const int64_t tok0 = bkv * a.Pv + t0;
+  const uint8_t* codes = static_cast<const uint8_t*>(a.vp) + tok0 * a.Wv;
+#ifdef MOEND_VNNI_V
+  if constexpr (VB != 8) {
+    if (a.wpg % 16 == 0 && a.Wv % 16 == 0 && a.Wv <= kVnniMaxW) return v_acc_vnni<VB>(a, codes, n, rows, p, ldl, s, tok0);
+  }
+#endif
 #ifdef MOEND_AVX512
   if (16 % a.ng == 0) v_block_prep_avx512(a, tok0, n, rows, p, ldl, s);
   else v_block_prep(a, tok0, n, rows, p, ldl, s);
 #else
   v_block_prep(a, tok0, n, rows, p, ldl, s);
 #endif
-  const uint8_t* codes = static_cast<const uint8_t*>(a.vp) + tok0 * a.Wv;
 #ifdef MOEND_AVX512
   if (a.wpg % 16 == 0 && a.Wv % 16 == 0) return v_acc_avx512<VB>(a, codes, n, rows, s);
 #endif
@@ -201,7 +206,13 @@ Work plan_work(const Args& a, int num_splits) {
 inline float block_max(const float* lg, int n) {
   float mx = kNegInf;
   int i = 0;
-#ifdef __AVX2__
+#ifdef MOEND_AVX512
+  if (n >= 16) {
+    __m512 v = _mm512_loadu_ps(lg);
+    for (i = 16; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(lg + i));
+    mx = _mm512_reduce_max_ps(v);
+  }
+#elif defined(__AVX2__)
   if (n >= 8) {
     __m256 v = _mm256_loadu_ps(lg);
     for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(lg + i));
@@ -214,15 +225,22 @@ inline float block_max(const float* lg, int n) {
   return mx;
 }
 
-// exp(lg - m) in place for the first nvalid entries (8 lanes at a time), 0 for the rest of n; returns the sum.
+// exp(lg - m) in place for the first nvalid entries (16 or 8 lanes at a time), 0 for the rest of n; returns the sum.
 inline float exp_block(float* lg, int n, int nvalid, float m) {
   float sum = 0.f;
   int i = 0;
 #ifdef __AVX2__
-  typedef float v8f __attribute__((vector_size(32)));
-  typedef int32_t v8i __attribute__((vector_size(32)));
+  // 16 lanes (one zmm) on the AVX-512 tier, 8 otherwise: the same per-lane arithmetic, the sum folded in another
+  // order
+#ifdef MOEND_AVX512
+  constexpr int kLanes = 16;
+#else
+  constexpr int kLanes = 8;
+#endif
+  typedef float v8f __attribute__((vector_size(4 * kLanes)));
+  typedef int32_t v8i __attribute__((vector_size(4 * kLanes)));
   v8f vs = v8f{};
-  for (; i + 8 <= nvalid; i += 8) {
+  for (; i + kLanes <= nvalid; i += kLanes) {
     v8f x;
     std::memcpy(&x, lg + i, sizeof(x));
     x -= m;
@@ -239,7 +257,11 @@ inline float exp_block(float* lg, int n, int nvalid, float m) {
     std::memcpy(lg + i, &e, sizeof(e));
     vs += e;
   }
+#ifdef MOEND_AVX512
+  sum = _mm512_reduce_add_ps(reinterpret_cast<__m512>(vs));
+#else
   sum = ((vs[0] + vs[4]) + (vs[1] + vs[5])) + ((vs[2] + vs[6]) + (vs[3] + vs[7]));
+#endif
 #endif
   for (; i < nvalid; ++i) {
     lg[i] = exp_nonpos(lg[i] - m);
@@ -337,6 +359,24 @@ void finish_unit(const Args& a, int rows, const Scratch& s, float* acc) {
   }
 }
 
+// Prefetch the scales and zeros of tokens [t, t + n) (K: their groups' rows, V: theirs): two short streams
+// beside the code streams, read in a burst once per block, that the loops' code prefetches do not cover.
+inline void prefetch_scales(const Args& a, int64_t bkv, int t, int n) {
+#ifdef __AVX2__
+  if (a.kbits != 16 && t < a.P) {
+    const int64_t off = (bkv * (a.P / a.G) + t / a.G) * a.D;
+    const int bytes = std::max(1, n / a.G) * a.D * 2;
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(a.ks + off), bytes);
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(a.kz + off), bytes);
+  }
+  if (a.vbits != 16 && t < a.Pv) {
+    const int64_t off = (bkv * a.Pv + t) * a.ng;
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(a.vs + off), n * a.ng * 2);
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(a.vz + off), n * a.ng * 2);
+  }
+#endif
+}
+
 // Work unit u: attend its query rows over its token split, leaving (acc, m, l) partials in `part`.
 template <typename T>
 void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* part, KFn kfn, VFn vfn) {
@@ -367,6 +407,7 @@ void attend_unit(const Args& a, const Work& w, int64_t u, Scratch& s, float* par
       t0 = t1;
       continue;
     }
+    prefetch_scales(a, bkv, t0 + 2 * BT, BT);
     (packed ? kfn : &k_residual<T>)(a, bkv, t0, n, rows, s, BT);
     for (int r = 0; r < rows; ++r)
       softmax_step(a, s, r, n, std::max(0, std::min(n, limit[r] - t0 + 1)),

@@ -292,6 +292,242 @@ void k_dot_vnni(const Args& a, const uint8_t* codes, int n, int rows, const Scra
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define MOEND_VNNI_V 1
+// The VNNI V loop: sum_t w_tg c_td as exact integer dots, 4 tokens per vpdpbusd, instead of one fp32 FMA per
+// token after widening each code to fp32 (the float loop below spends 10 conversion uops per token on top of
+// its 12 FMAs at k4v4, head_dim 64, 3 query rows).
+//
+// Weights. Per block and V group g, w_tg = p_t s_tg is rounded to an integer qi = round(w_tg * kVQ / smax_g),
+// smax_g = max_t |s_tg| over the block (p_t <= 1, so |qi| <= kVQ): one factor per block and group, shared by the
+// rows. qi has 23 bits, so each weight is off by at most smax_g / (2 kVQ) ~ 6e-8 smax_g, an fp32 rounding of the
+// largest weight (fp32 accumulation of 128 products rounds about as much); int8 or int16 weights would not be
+// (with one peaked token, a 16-bit step of its weight times the other tokens' codes is ~3e-4 of an output,
+// over the fp32 tolerance). vpdpbusd multiplies u8 by s8, so qi is split into three int8 parts,
+// qi = 65536 h + 256 m + l with l, m in [-128, 127] (|qi| <= 127 * 65793 keeps h in int8 too): the bytes of
+// qi + 0x8080, the low two with their top bit flipped. Each part has its own int32 accumulator (exact: at most
+// 15 * 128 per token), and a block's three sums are combined in fp32 once: deq * (65536 hi + 256 mid + lo).
+//
+// Codes. Lane i of a zmm holds byte i of one 16-byte chunk of 4 consecutive tokens (vpermb: byte 4i + j = token
+// j's byte i), so a plane of it (shift, mask) is 16 positions x 4 tokens, the position order of the float loop:
+// the accumulators (accp) and finish_unit are shared. A chunk lies in one V group (wpg % 16 == 0), so its
+// weights for 4 tokens are one broadcast dword per part.
+constexpr int kVnniMaxW = 256;  // code bytes per token the loop takes (head_dim 512 at 4 bits)
+constexpr float kVQ = 8350000.f;  // < 127 * 65793 = 8355711, margin for p_t up to 1 + 6e-4 (the exp is <= 1 + 2e-7)
+
+// The block's V scales and zeros as fp32 in group-major order, vst[g * BTp + t] (zero past n, to 16 tokens).
+inline void v_scales_by_group(const Args& a, int64_t tok0, int n, Scratch& s) {
+  const int ng = a.ng, BTp = s.BTp, nseg = (n + 15) / 16;
+  const at::Half* sp = a.vs + tok0 * ng;
+  const at::Half* zp = a.vz + tok0 * ng;
+  float* st = s.vst.data();
+  float* zt = s.vzt.data();
+  auto halves = [](const at::Half* p, int cnt) {  // max(0, min(cnt, 16)) fp16 values, the rest 0
+    const __mmask16 k = cnt >= 16 ? static_cast<__mmask16>(0xFFFF)
+                        : cnt <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << cnt) - 1);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+  };
+  if (ng == 1) {
+    for (int sg = 0; sg < nseg; ++sg) {
+      const int m = std::min(16, n - 16 * sg);
+      _mm512_storeu_ps(st + 16 * sg, halves(sp + 16 * sg, m));
+      _mm512_storeu_ps(zt + 16 * sg, halves(zp + 16 * sg, m));
+    }
+  } else if (ng == 2) {  // 16 tokens = 32 halves, interleaved by group: split by two lane permutes
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int sg = 0; sg < nseg; ++sg) {
+      const int m = 2 * std::min(16, n - 16 * sg), o = 32 * sg;
+      const __m512 s0 = halves(sp + o, m), s1 = halves(sp + o + 16, m - 16);
+      const __m512 z0 = halves(zp + o, m), z1 = halves(zp + o + 16, m - 16);
+      _mm512_storeu_ps(st + 16 * sg, _mm512_permutex2var_ps(s0, even, s1));
+      _mm512_storeu_ps(st + BTp + 16 * sg, _mm512_permutex2var_ps(s0, odd, s1));
+      _mm512_storeu_ps(zt + 16 * sg, _mm512_permutex2var_ps(z0, even, z1));
+      _mm512_storeu_ps(zt + BTp + 16 * sg, _mm512_permutex2var_ps(z0, odd, z1));
+    }
+  } else {
+    for (int g = 0; g < ng; ++g)
+      for (int t = 0; t < 16 * nseg; ++t) {
+        st[g * BTp + t] = t < n ? static_cast<float>(sp[t * ng + g]) : 0.f;
+        zt[g * BTp + t] = t < n ? static_cast<float>(zp[t * ng + g]) : 0.f;
+      }
+  }
+}
+
+// v_block_prep for the VNNI V loop: per row, group and 16 tokens, the weights' three int8 parts (64 bytes: l, m,
+// h, 16 tokens each, then 16 unused), and zacc[r][g] += sum_t p_rt z_tg.
+inline void v_block_prep_vnni(const Args& a, int64_t tok0, int n, int rows, const float* p, int ldl, Scratch& s) {
+  const int ng = a.ng, BTp = s.BTp, nseg = (n + 15) / 16;
+  v_scales_by_group(a, tok0, n, s);
+  float* st = s.vst.data();
+  for (int g = 0; g < ng; ++g) {  // the factor of each group; its scales pre-multiplied by kVQ / smax
+    __m512 mx = _mm512_setzero_ps();
+    for (int sg = 0; sg < nseg; ++sg) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(st + g * BTp + 16 * sg)));
+    const float smax = _mm512_reduce_max_ps(mx);
+    const __m512 mul = _mm512_set1_ps(smax > 0.f ? kVQ / smax : 0.f);
+    s.vdeq[g] = smax / kVQ;
+    for (int sg = 0; sg < nseg; ++sg)
+      _mm512_storeu_ps(st + g * BTp + 16 * sg, _mm512_mul_ps(_mm512_loadu_ps(st + g * BTp + 16 * sg), mul));
+  }
+  // byte 4i + j of qi + 0x8080 -> byte 16 j + i (j < 3); the low two parts get their top bit flipped
+  alignas(64) static constexpr int8_t kSplit[64] = {
+      0, 4, 8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9,  13, 17, 21, 25, 29, 33, 37, 41, 45,
+      49, 53, 57, 61, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31,
+      35, 39, 43, 47, 51, 55, 59, 63};
+  const __m512i split = _mm512_load_si512(kSplit);
+  const __m512i bias = _mm512_set1_epi32(0x8080);
+  for (int r = 0; r < rows; ++r) {
+    const float* pr = p + r * ldl;
+    int8_t* wq = s.wq.data() + static_cast<int64_t>(r) * ng * BTp * 4;
+    for (int g = 0; g < ng; ++g) {
+      __m512 zs = _mm512_setzero_ps();
+      for (int sg = 0; sg < nseg; ++sg) {
+        const int m = std::min(16, n - 16 * sg);
+        const __mmask16 k = m == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << m) - 1);
+        const __m512 pv = _mm512_maskz_loadu_ps(k, pr + 16 * sg);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(pv, _mm512_loadu_ps(st + g * BTp + 16 * sg)));
+        const __m512i x = _mm512_xor_si512(_mm512_add_epi32(qi, bias), bias);
+        _mm512_storeu_si512(wq + (g * BTp + 16 * sg) * 4, _mm512_permutexvar_epi8(split, x));
+        zs = _mm512_fmadd_ps(pv, _mm512_loadu_ps(s.vzt.data() + g * BTp + 16 * sg), zs);
+      }
+      s.zacc[r * ng + g] += _mm512_reduce_add_ps(zs);
+    }
+  }
+}
+
+// Chunk k of token rows t .. t+3 (W bytes apart): lane i = byte i of each, token j in byte j.
+inline __m512i v_quad_chunk(const uint8_t* t0, int W, int k) {
+  alignas(64) static constexpr int8_t kQuad[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54,
+      7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61,
+      14, 30, 46, 62, 15, 31, 47, 63};
+  auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(t0 + static_cast<int64_t>(j) * W + 16 * k)); };
+  __m512i x = _mm512_castsi128_si512(ld(0));
+  x = _mm512_inserti32x4(x, ld(1), 1);
+  x = _mm512_inserti32x4(x, ld(2), 2);
+  x = _mm512_inserti32x4(x, ld(3), 3);
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kQuad), x);
+}
+
+// The same for 32-byte rows (4-bit V at head_dim 64): the 4 rows are two zmm, one two-source permute per chunk.
+inline __m512i v_quad_chunk32(__m512i r01, __m512i r23, int k) {
+  alignas(64) static constexpr int8_t kQuad32[2][64] = {
+      {0, 32, 64, 96, 1, 33, 65, 97, 2, 34, 66, 98, 3, 35, 67, 99, 4, 36, 68, 100, 5, 37, 69, 101, 6, 38, 70, 102,
+       7, 39, 71, 103, 8, 40, 72, 104, 9, 41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107, 12, 44, 76, 108, 13, 45,
+       77, 109, 14, 46, 78, 110, 15, 47, 79, 111},
+      {16, 48, 80, 112, 17, 49, 81, 113, 18, 50, 82, 114, 19, 51, 83, 115, 20, 52, 84, 116, 21, 53, 85, 117, 22,
+       54, 86, 118, 23, 55, 87, 119, 24, 56, 88, 120, 25, 57, 89, 121, 26, 58, 90, 122, 27, 59, 91, 123, 28, 60, 92,
+       124, 29, 61, 93, 125, 30, 62, 94, 126, 31, 63, 95, 127}};
+  return _mm512_permutex2var_epi8(r01, _mm512_load_si512(kQuad32[k]), r23);
+}
+
+// acc += c . (the dword at w, broadcast) by vpdpbusd with an embedded broadcast. Written in asm because GCC, given
+// the intrinsic, kept 9 broadcasts in registers and copied the 18 accumulators around them (44 register moves
+// per 4 tokens, twice the dot instructions); "+v" ties each accumulator to one register (by value: a reference
+// puts the accumulators on the stack).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i c, const int8_t* w) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*reinterpret_cast<const int32_t*>(w)));
+  return acc;
+}
+
+// One pass of the VNNI V loop: chunks k0 .. k0+NC-1 (NC * 8 / VB = NU units) for NR rows over n tokens (a
+// multiple of 4; the rows past the layer's end are never read: the caller passes a padded copy of the tail),
+// NR * NU * 3 int32 accumulators in registers; then accp += deq * (65536 hi + 256 mid + lo).
+// wq[r][c]: row r's weight parts for chunk c's group; deq[c] its factor.
+template <int VB, int NR, int NC, bool W32>
+inline void v_pass_vnni(const uint8_t* codes, int W, int k0, int n, const int8_t* const (*wq)[NC],
+                        const float* deq, float* const* acc, bool prefetch) {
+  constexpr int per = 8 / VB, NU = NC * per;
+  __m512i hi[NR][NU], mid[NR][NU], lo[NR][NU];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) hi[r][u] = mid[r][u] = lo[r][u] = _mm512_setzero_si512();
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << VB) - 1));
+  for (int t = 0; t < n; t += 4) {
+    const uint8_t* row = codes + static_cast<int64_t>(t) * W;
+    if (prefetch) prefetch_ahead(row + kPrefetchV * W, 4 * W);
+    __m512i c[NU];
+    for (int cc = 0; cc < NC; ++cc) {
+      __m512i x;
+      if constexpr (W32) x = v_quad_chunk32(_mm512_loadu_si512(row), _mm512_loadu_si512(row + 64), k0 + cc);
+      else x = v_quad_chunk(row, W, k0 + cc);
+      for (int j = 0; j < per; ++j) {
+        __m512i y = j == 0 ? x : _mm512_srli_epi32(x, VB * j);
+        if constexpr (VB != 8) y = _mm512_and_si512(y, mask);
+        c[cc * per + j] = y;
+      }
+    }
+    const int off = (t / 16) * 64 + (t % 16);  // token t's weight byte in a 64-byte (16-token) record: part 0
+    for (int r = 0; r < NR; ++r)
+      for (int cc = 0; cc < NC; ++cc) {
+        const int8_t* w = wq[r][cc] + off;
+        for (int j = 0; j < per; ++j) {
+          lo[r][cc * per + j] = dpbusd_bcast(lo[r][cc * per + j], c[cc * per + j], w);
+          mid[r][cc * per + j] = dpbusd_bcast(mid[r][cc * per + j], c[cc * per + j], w + 16);
+          hi[r][cc * per + j] = dpbusd_bcast(hi[r][cc * per + j], c[cc * per + j], w + 32);
+        }
+      }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NU; ++u) {
+      const float d = deq[u / per];
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][u]), _mm512_set1_ps(d));
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mid[r][u]), _mm512_set1_ps(256.f * d), f);
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r][u]), _mm512_set1_ps(65536.f * d), f);
+      _mm512_storeu_ps(acc[r] + 16 * u, _mm512_add_ps(_mm512_loadu_ps(acc[r] + 16 * u), f));
+    }
+}
+
+// accp[r] += sum_t w[r][t][g] * c_t over n packed tokens by integer dots (needs wpg % 16 == 0: a chunk lies in one
+// V group, and W % 16 == 0: whole chunks). Passes of one chunk, rows three (4 bits) or two (2 bits) at a time; the
+// last n % 4 tokens through a zero-padded copy of their rows (their weights are 0).
+// 4 and 2 bits only: at 8 bits (one plane per chunk, no shift or mask to save, twice the bytes per token) it
+// measured no faster than the float loop (0.99x, k8v8 at 8k and 32k tokens, 1 thread), so 8-bit V stays there.
+template <int VB>
+void v_acc_vnni(const Args& a, const uint8_t* codes, int n, int rows, const float* p, int ldl, Scratch& s,
+                int64_t tok0) {
+  static_assert(VB == 4 || VB == 2, "8-bit V takes the float loop");
+  v_block_prep_vnni(a, tok0, n, rows, p, ldl, s);
+  constexpr int per = 8 / VB, NC = 1;
+  const int W = a.Wv, nch = a.nchv, ng = a.ng, BTp = s.BTp;
+  const int n4 = n & ~3;
+  alignas(64) uint8_t tail[4 * kVnniMaxW];
+  const bool w32 = W == 32;
+  if (n4 < n) {
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, codes + static_cast<int64_t>(n4) * W, static_cast<size_t>(n - n4) * W);
+  }
+  for (int k0 = 0; k0 < nch; k0 += NC) {
+    int grp[NC];
+    float deq[NC];
+    for (int c = 0; c < NC; ++c) {
+      grp[c] = (16 * (k0 + c)) / a.wpg;
+      deq[c] = s.vdeq[grp[c]];
+    }
+    // NR * NU * 3 accumulators: 18 for 4 bits at 3 rows, 24 for 2 bits at 2 rows
+    for_row_blocks<per == 4 ? 2 : 3>(rows, [&](auto nr, int r0) {
+      constexpr int NR = decltype(nr)::value;
+      const int8_t* wq[NR][NC];
+      float* acc[NR];
+      for (int r = 0; r < NR; ++r) {
+        for (int c = 0; c < NC; ++c) wq[r][c] = s.wq.data() + (static_cast<int64_t>(r0 + r) * ng + grp[c]) * BTp * 4;
+        acc[r] = s.accp.data() + (r0 + r) * a.Dpv + k0 * per * 16;
+      }
+      auto pass = [&](const uint8_t* base, int m, const int8_t* const (*w)[NC], bool pf) {
+        if (w32) v_pass_vnni<VB, NR, NC, true>(base, W, k0, m, w, deq, acc, pf);
+        else v_pass_vnni<VB, NR, NC, false>(base, W, k0, m, w, deq, acc, pf);
+      };
+      if (n4 > 0) pass(codes, n4, wq, k0 == 0 && r0 == 0);  // prefetch in the first pass over the rows
+      if (n4 < n) {
+        const int8_t* wt[NR][NC];  // the tail's weights start at token n4
+        for (int r = 0; r < NR; ++r)
+          for (int c = 0; c < NC; ++c) wt[r][c] = wq[r][c] + (n4 / 16) * 64 + (n4 % 16);
+        pass(tail, 4, wt, false);
+      }
+    });
+  }
+}
+#endif
+
 // One pass of the V loop over n tokens: NU units (16 code bytes at offset off[u], plane j[u], all in V group
 // grp[u]) for NR query rows; NR * NU <= 16 accumulators stay in registers. Every unit's 16 bytes lie inside
 // the W-byte row (a narrower row goes through the AVX2 loop), so the loads need no bounds check.

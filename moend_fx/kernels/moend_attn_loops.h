@@ -62,12 +62,19 @@ struct Scratch {
   std::vector<int16_t> qi, crow;
   std::vector<int8_t> qh, ql;  // qi's int8 halves (the VNNI K loop)
   std::vector<int32_t> tmp;
+  // The VNNI V loop (moend_attn_avx512.h): the block's V scales / zeros group-major (BTp = BT rounded up to 16
+  // tokens per group), each V group's dequantization factor, and the weights' int8 parts, 64 bytes per row,
+  // group and 16 tokens.
+  int BTp;
+  std::vector<float> vst, vzt, vdeq;
+  std::vector<int8_t> wq;
   Scratch(const Args& a, int rows, int BT)
       : BT(BT), qsc(rows * a.D), qperm(rows * a.Dpk), qs(a.Dpk), deq(rows), bias(rows),
-        sf(std::max(a.D + 1, BT * a.ng)), zf(std::max(a.D, BT * a.ng)), sperm(a.Dpk), lg(rows * BT + 8),
+        sf(std::max(a.D + 1, BT * a.ng)), zf(std::max(a.D, BT * a.ng)), sperm(a.Dpk), lg(rows * BT + 16),
         wt(rows * a.ng * BT), accp(rows * a.Dpv), accn(rows * a.D),
         zacc(rows * a.ng), row(a.D), qi(rows * a.Dpk), crow(std::max(a.Dpk, a.Dpv)),
-        qh(rows * (a.Dpk + 64)), ql(rows * (a.Dpk + 64)), tmp(rows * 64) {}
+        qh(rows * (a.Dpk + 64)), ql(rows * (a.Dpk + 64)), tmp(rows * 64), BTp((BT + 15) / 16 * 16),
+        vst(a.ng * BTp), vzt(a.ng * BTp), vdeq(a.ng), wq(static_cast<size_t>(rows) * a.ng * BTp * 4) {}
 };
 
 // ------------------------------------------------------------------------------------------------ K side

@@ -37,6 +37,9 @@ def test_compile_flags():
     assert not set(cpu.AVX512_FLAGS) & set(cpu.compile_flags(avx2=True, avx512=False))
     assert cpu.VNNI_FLAG in cpu.compile_flags(avx2=True, avx512=True, vnni=True)
     assert cpu.VNNI_FLAG not in cpu.compile_flags(avx2=True, avx512=True, vnni=False)
+    # VBMI (the integer V loop's byte permutes) comes with the VNNI tier only, where the CPU has it
+    assert cpu.VBMI_FLAG not in cpu.compile_flags(avx2=True, avx512=True, vnni=False)
+    assert (cpu.VBMI_FLAG in cpu.compile_flags(avx2=True, avx512=True, vnni=True)) == ("avx512vbmi" in cpu._cpu_flags())
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +100,19 @@ def avx512_pairs():
 
 
 # (head_dim, GQA group, tokens, queries, group size): ragged residual tails, 14 query rows (row blocks of 4, 4,
-# 4, 2 in the VNNI K loop), and a group size of 8 (K groups shorter than the VNNI loop's 16 tokens).
+# 4, 2 in the VNNI K loop), a group size of 8 (K groups shorter than the VNNI loop's 16 tokens), and one of 64
+# (2-bit V in the VNNI V loop: 16-byte V groups, 4 planes per chunk, rows two at a time).
 TIER_CASES = [(64, 3, 3 * 32 + 7, 1, 32), (128, 7, 5 * 32 + 1, 2, 32), (64, 1, 19, 1, 32), (128, 3, 300, 1, 32),
-              (64, 3, 12 * 8 + 5, 1, 8)]
+              (64, 3, 12 * 8 + 5, 1, 8), (64, 3, 3 * 64 + 6, 1, 64)]
 
 
 def check_tiers_agree(other, kb, vb):
     for seed, (d, gq, n, l, g) in enumerate(TIER_CASES):
         q, layer = make_case(seed, 2, 2, gq, l, n, d, kb, vb, g=g)
         args = (q, *(t.contiguous() for t in layer_tensors(layer)), kb, vb, g, d ** -0.5, True, None, 0)
-        # Same int16 query values and exact integer sums on the K side; per-lane V accumulation in the same
-        # token order: the tiers agree to fp32 reordering at most.
+        # Same int16 query values and exact integer sums on the K side; on the V side per-lane fp32 accumulation
+        # in the same token order, or (the VNNI V loop) weights rounded to 23 bits per block, an fp32 rounding of
+        # the block's largest weight: the tiers agree to fp32 reordering at most.
         torch.testing.assert_close(packed_attention(q, layer, kernel="cpu"), other(*args), atol=FP32_ATOL,
                                    rtol=FP32_RTOL)
 
