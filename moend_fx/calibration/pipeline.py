@@ -14,9 +14,9 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
    take the relative L2 error against the same computation on the uncompressed K/V.
 
-``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`); optional
-per-layer gains follow (:mod:`moend_fx.calibration.gains`). Trig's query statistics exclude the measured window.
-Memory: one sequence's captures (O(L * T * D)), freed per layer; attention is O(W * T) per layer, never O(T^2).
+``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`); per-layer
+gains follow (:mod:`moend_fx.calibration.gains`; ``gain_probe=None`` skips them). Trig's query statistics
+exclude the measured window. Memory: one sequence's captures, freed per layer; attention O(W * T), never O(T^2).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from moend_fx.calibration.capture import AttentionCapture, LayerCapture
 from moend_fx.calibration.data import token_sequences
-from moend_fx.calibration.gains import continuation_split, layer_gains
+from moend_fx.calibration.gains import RECOMMENDED_PROBE, continuation_split, layer_gains
 from moend_fx.calibration.monotone import monotone_in_keep
 from moend_fx.calibration.prefill import kept_tokens, model_body
 from moend_fx.calibration.sensitivity import SensitivityTable
@@ -49,9 +49,9 @@ __all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", 
            "stale_reason", "window_attention"]
 
 
-CALIBRATION_VERSION = 2
-_VERSION_NOTE = ("2: query statistics exclude the measured window, S monotone in keep ratio, the cache's "
-                 "keep floor")
+CALIBRATION_VERSION = 3
+_VERSION_NOTE = ("3: per-layer gains on 2 sequences by default (the predicted loss is an end-to-end KL); 2: query "
+                 "statistics exclude the measured window, S monotone in keep ratio, the cache's keep floor")
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,11 @@ class CalibrationSettings:
     window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
     ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tail: each text sequence ends with ``window``
     tokens of questions about its earlier records (``moend_fx.calibration.data.retrieval_tail``), so the measured
-    queries retrieve facts (text sequences only; random ids have none). gain_probe: None (the paper's ``sum S``) or
-    the config name whose one-layer KL sets per-layer gains (:mod:`moend_fx.calibration.gains`; any config)."""
+    queries retrieve facts (text sequences only; random ids have none). gain_probe: the config name whose one-layer
+    KL sets per-layer gains (:mod:`moend_fx.calibration.gains`; any config), or None for the paper's ``sum S``."""
 
     tokens: int = CALIBRATION_TOKENS
-    num_sequences: int = 1
+    num_sequences: int = 2
     seed: int = 0
     scorer: ScorerName = ScorerName.TRIG
     window: int = CALIBRATION_WINDOW
@@ -73,7 +73,7 @@ class CalibrationSettings:
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
     retrieval_tail: bool = False
-    gain_probe: str | None = None
+    gain_probe: str | None = RECOMMENDED_PROBE
 
     def __post_init__(self) -> None:
         for name in ("tokens", "num_sequences", "window"):

@@ -37,7 +37,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     scorer = args.scorer or default_scorer(args.setting)
     table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=scorer,
                       seed=args.seed, window=args.window, retrieval_tail=args.retrieval_tail,
-                      gain_probe=args.gain_probe, progress=not args.quiet)
+                      gain_probe=None if args.no_gains else args.gain_probe, progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=scorer)
     table.save(out)
@@ -192,9 +192,11 @@ def register(subparsers: Any) -> None:
                    help="end each sequence with --window tokens of questions about its earlier records "
                         "(default %(default)s)")
     p.add_argument("--gain-probe", default=cal.gain_probe,
-                   help="measure per-layer gains with this config (keep<ratio>_k<bits>_v<bits>; keep0.5_k4_v4 is "
-                        "the tested one, with --sequences 2): the predicted loss becomes sum gain * S^2; default "
-                        "none (the paper's sum of S; docs/calibration.md, 'Gains')")
+                   help="config (keep<ratio>_k<bits>_v<bits>) whose end-to-end KL, one layer at a time, sets the "
+                        "per-layer gains: the predicted loss is sum gain * S^2 (default %(default)s; "
+                        "docs/calibration.md, 'Gains')")
+    p.add_argument("--no-gains", action="store_true",
+                   help="no per-layer gains: the predicted loss is the paper's sum of S (~5x faster)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--out", default=None,
                    help="table file (default $MOEND_CACHE/tables/<model>-<scorer>-<tokens>.safetensors, e.g. "

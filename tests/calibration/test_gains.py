@@ -83,9 +83,11 @@ def test_continuation_split():
         continuation_split(1, 64)
 
 
-def test_gains_do_not_make_tables_without_them_stale(table):
-    """Gains are opt-in and change nothing in S: a table without them (this version's default, or an older
-    version-2 table) stays current."""
+def test_a_table_from_the_calibration_before_gains_is_stale(table):
+    """Gains are the default since version 3: a version-2 table (no gains) is stale; a current table without
+    gains (``gain_probe=None``, asked for) is not."""
     import dataclasses
 
+    old = dataclasses.replace(table, calibration={**table.calibration, "version": 2}, gain=None)
+    assert "version 2" in stale_reason(old) and "gains" in stale_reason(old)
     assert stale_reason(table) is None and stale_reason(dataclasses.replace(table, gain=None)) is None

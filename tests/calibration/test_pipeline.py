@@ -176,7 +176,7 @@ def test_calibration_scores_with_the_scorer_the_cache_builds(model, name, monkey
         return layer_errors(cap, grid, scorer, **kw)
 
     monkeypatch.setattr(pipeline, "layer_errors", spy)
-    t = calibrate(model, tokens=96, scorer=name, grid=Grid((0.5, 1.0), (16,), (16,)))
+    t = calibrate(model, tokens=96, num_sequences=1, scorer=name, grid=Grid((0.5, 1.0), (16,), (16,)))
     fp = ModelFingerprint.from_model(model)
     plan = RoutingPlan(layers=(LayerConfig(0.5, 16, 16),) * fp.num_layers, fingerprint=fp, budget_bytes=1,
                        context_length=96, scorer=name)
