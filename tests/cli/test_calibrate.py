@@ -41,3 +41,24 @@ def test_show_table_prints_each_configs_bytes_by_part(tmp_path, capsys, stats):
     assert body["bytes_by_part"]["context_length"] == 512
     assert body["bytes_by_part"]["configs"]["keep0.1_k4_v4"] == plan_layer_parts(
         LayerConfig(0.1, 4, 4), 512, table.fingerprint, scorer="trig", calibrated=stats)
+
+
+def test_calibrate_measures_gains_by_default_and_not_with_no_gains(tmp_path, capsys):
+    """`moend calibrate` makes a calibration-v3 table (per-layer gains) unless --no-gains asks for the paper's."""
+    from moend_fx.calibration.sensitivity import SensitivityTable
+    from tests.models.helpers import save_tiny_folder
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    save_tiny_folder(folder, "llama-gqa3-hd64")
+    for extra, gained in (([], True), (["--no-gains"], False)):
+        out = tmp_path / f"t{len(extra)}.safetensors"
+        argv = ["calibrate", "--model", str(folder), "--tokens", "128", "--sequences", "1", "--quiet",
+                "--out", str(out), *extra]
+        assert main(argv) == 0
+        assert str(out) in capsys.readouterr().out
+        table = SensitivityTable.load(out)
+        assert (table.gain is not None) is gained
+        assert table.calibration["gain_probe"] == ("keep0.5_k4_v4" if gained else None)
+        if gained:
+            assert (table.gain > 0).all() and table.gain.shape == (table.num_layers,)
