@@ -1,0 +1,133 @@
+"""Which part of a MoE-nD plan costs accuracy: the greedy plan against variants of itself on the same examples.
+
+    python examples/plan_ablation.py --task niah_single --length 2048 --setting query_aware --budget 14x \
+        --variants base,k8v8,k16v16,keep1,k8v4,k4v8,no-k4,kernel=17 --out results/ablation
+
+Each example is prefilled once at full precision (``moend_fx.eval.runner.example_contexts``, the evaluation's
+protocol); every variant compresses a copy of that prefill and answers greedily. Variants of the default
+table's greedy plan for the example's length:
+
+* ``base``: the plan itself; ``kXvY``: the plan's keep ratios with K at X and V at Y bits on every layer
+  (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept;
+* ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
+* ``kernel=N`` / ``trig-weight=W``: the plan with the query-aware scorer's SnapKV pooling kernel / trig weight.
+
+Records are written per example (``records.jsonl`` in --out, resumed), then ``ablation.md``: accuracy % per
+variant with its Wilson 95% interval and the measured cache bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moend_fx.calibration.tables import setting_tables
+from moend_fx.common.io import atomic_write_text
+from moend_fx.eval.config import EvalConfig
+from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
+from moend_fx.eval.runner import Runner, example_contexts, load_records
+from moend_fx.eval.stats import summarize
+from moend_fx.eval.steps import EVAL_ATTN, decode, greedy_decode, stop_reason
+from moend_fx.eval.tasks.registry import make_examples, score
+from moend_fx.models import load_model
+from moend_fx.plan.config import LayerConfig
+from moend_fx.plan.routing import RoutingPlan
+from moend_fx.solvers import get_solver
+
+BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
+
+
+def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> RoutingPlan:
+    """The plan a variant compresses with (see the module docstring)."""
+    if variant == "no-k4":
+        S = table.S.copy()
+        for j, c in enumerate(table.grid.configs):
+            if c.k_bits == 4:
+                S[:, j] = BARRED_S
+        barred = dataclasses.replace(table, S=S)
+        return get_solver("greedy").solve(barred, budget, context_length=plan.context_length).plan
+    if variant == "keep1":
+        return dataclasses.replace(plan, layers=tuple(LayerConfig(1.0, c.k_bits, c.v_bits) for c in plan.layers))
+    if variant.startswith("k") and "v" in variant:
+        k, v = (int(x) for x in variant[1:].split("v"))
+        return dataclasses.replace(plan, layers=tuple(LayerConfig(c.keep_ratio, k, v) for c in plan.layers))
+    return plan
+
+
+def scorer_kwargs(variant: str) -> dict[str, Any]:
+    """Scorer options of a ``kernel=N`` / ``trig-weight=W`` variant (none for the others)."""
+    if variant.startswith("kernel="):
+        return {"kernel_size": int(variant.split("=")[1])}
+    if variant.startswith("trig-weight="):
+        return {"trig_weight": float(variant.split("=")[1])}
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="niah_single")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--setting", default="query_aware", choices=["query_aware", "query_agnostic"])
+    ap.add_argument("--budget", default="14x")
+    ap.add_argument("--variants", default="base,k8v8,k16v16,keep1,k8v4,k4v8,no-k4")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = [v for v in args.variants.split(",") if v]
+    cfg = EvalConfig(tasks=(args.task,), lengths=(args.length,), n=args.n, budgets=(args.budget,),
+                     methods=("2d_hetero",), settings=(args.setting,))
+    tables, _, _ = setting_tables("smollm2-135m", cfg.settings, None)
+    model, tok = load_model("smollm2-135m")
+    runner = Runner(model, tok, tables, cfg, progress=False)
+    setting_plans = runner.by_setting[cfg.settings[0]]
+    model.set_attn_implementation(EVAL_ATTN)
+    path = Path(args.out) / "records.jsonl"
+    records = load_records(path, ("index", "variant")) if path.is_file() else []
+    done = {(r["index"], r["variant"]) for r in records}
+    spec = METHODS["2d_hetero"]
+    for i, ex in enumerate(make_examples(args.task, tok, args.length, args.n, seed=cfg.seed)):
+        todo = [v for v in variants if (i, v) not in done]
+        if not todo:
+            continue
+        for _, state, suffix, _ in example_contexts(model, tok, ex, [cfg.settings[0]], window=cfg.window):
+            plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
+            for v in todo:
+                kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v)}
+                cache = build_cache(spec, state, model=model, plan=variant_plan(plan, v, setting_plans.table,
+                                                                                args.budget), **kw)
+                measured = cache_nbytes(cache)
+                new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
+                                       stop=lambda s, ex=ex: stop_reason(ex, s))
+                text = decode(tok, new)
+                records.append(dict(index=i, variant=v, generated=text, score=score(ex, text),
+                                    measured_bytes=measured, answers=list(ex.answers)))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        print(f"example {i + 1}/{args.n}: " + ", ".join(
+            f"{v} {100 * sum(r['score'] for r in records if r['variant'] == v) / (i + 1):.1f}%" for v in variants),
+            file=sys.stderr, flush=True)
+    lines = [f"{args.task} at {args.length} tokens, {args.setting}, {args.budget}: accuracy % [95% interval]", "",
+             "| variant | n | accuracy | measured cache (mean) |", "| --- | ---: | ---: | ---: |"]
+    for v in variants:
+        rs = [r for r in records if r["variant"] == v]
+        if not rs:
+            continue
+        sm = summarize([r["score"] for r in rs])
+        mb = sum(r["measured_bytes"] for r in rs) / len(rs) / 1e6
+        ci = f"[{100 * sm.low:.0f}, {100 * sm.high:.0f}]"
+        lines.append(f"| {v} | {len(rs)} | {100 * sm.mean:.1f} {ci} | {mb:.2f} MB |")
+    atomic_write_text(Path(args.out) / "ablation.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
