@@ -1,0 +1,27 @@
+"""docs/results.md keeps its hand-written readings where a re-run finds them: each section's notes file
+(``docs/results-notes/<key>.md``) is what the section ends with, so ``moend bench <key>`` rewrites the tables
+without losing a reading that was added to the document alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moend_fx.bench.report import existing_blocks, notes_path
+
+DOC = Path(__file__).parents[2] / "docs" / "results.md"
+BLOCKS = existing_blocks(DOC.read_text())
+
+
+@pytest.mark.parametrize("key", sorted(k for k in BLOCKS if notes_path(DOC, k).is_file()))
+def test_a_sections_reading_is_its_notes_file(key):
+    notes = notes_path(DOC, key).read_text().rstrip()
+    assert notes, f"{notes_path(DOC, key)} is empty"
+    assert BLOCKS[key].rstrip().endswith(notes), (
+        f"section {key} of {DOC.name} does not end with {notes_path(DOC, key).name}: edit the notes file (the "
+        "source a re-run appends) and the document together")
+
+
+def test_the_document_has_the_sections_with_notes():
+    assert {"decode", "eval", "kernels", "proxy"} <= set(BLOCKS)
