@@ -13,7 +13,7 @@ table's greedy plan for the example's length:
 * ``kernel=N`` / ``trig-weight=W``: the plan with the query-aware scorer's SnapKV pooling kernel / trig weight.
 
 Records are written per example (``records.jsonl`` in --out, resumed), then ``ablation.md``: accuracy % per
-variant with its Wilson 95% interval and the measured cache bytes.
+variant with its 95% interval (Wilson, or bootstrap for fractional scores) and the measured cache bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from moend_fx.calibration.tables import setting_tables
+from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
@@ -41,6 +42,25 @@ from moend_fx.plan.routing import RoutingPlan
 from moend_fx.solvers import get_solver
 
 BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
+ALLOWED = "base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), trig-weight=W (>= 0)"
+
+
+def check_variant(variant: str) -> str:
+    """``variant`` if it names a variant this script knows (before any model is loaded), else a MoendError."""
+    name, _, value = variant.partition("=")
+    try:
+        if variant in ("base", "keep1", "no-k4"):
+            return variant
+        if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
+            return variant
+        if name == "trig-weight" and float(value) >= 0:
+            return variant
+        if not value and variant.startswith("k") and "v" in variant:
+            if {int(x) for x in variant[1:].split("v")} <= {2, 4, 8, 16} and variant.count("v") == 1:
+                return variant
+    except ValueError:
+        pass
+    raise MoendError(f"variant {variant!r} is unknown; allowed: {ALLOWED}")
 
 
 def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> RoutingPlan:
@@ -82,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [check_variant(v) for v in args.variants.split(",") if v]
     cfg = EvalConfig(tasks=(args.task,), lengths=(args.length,), n=args.n, budgets=(args.budget,),
                      methods=("2d_hetero",), settings=(args.setting,))
     tables, _, _ = setting_tables("smollm2-135m", cfg.settings, None)

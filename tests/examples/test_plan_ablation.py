@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from moend_fx.calibration.tables import load_table
+from moend_fx.common.errors import MoendError
 from moend_fx.plan.memory import plan_bytes
 from moend_fx.solvers import get_solver
 
@@ -51,3 +52,14 @@ def test_scorer_variants_parse_their_option(ablation):
     assert ablation.scorer_kwargs("kernel=17") == {"kernel_size": 17}
     assert ablation.scorer_kwargs("trig-weight=0.5") == {"trig_weight": 0.5}
     assert ablation.scorer_kwargs("k8v8") == {}
+
+
+@pytest.mark.parametrize("bad", ["k8x4", "k3v4", "k8v4v2", "kernel=4", "kernel=x", "trig-weight=-1", "foo", ""])
+def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, bad):
+    with pytest.raises(MoendError, match="allowed: base, keep1, no-k4"):
+        ablation.check_variant(bad)
+
+
+@pytest.mark.parametrize("good", ["base", "keep1", "no-k4", "k8v4", "k16v16", "kernel=17", "trig-weight=0.5"])
+def test_known_variants_pass(ablation, good):
+    assert ablation.check_variant(good) == good
