@@ -10,7 +10,11 @@ table's greedy plan for the example's length:
 * ``base``: the plan itself; ``kXvY``: the plan's keep ratios with K at X and V at Y bits on every layer
   (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
-* ``kernel=N`` / ``trig-weight=W``: the plan with the query-aware scorer's SnapKV pooling kernel / trig weight.
+* ``kernel=N`` / ``trig-weight=W``: the plan with the query-aware scorer's SnapKV pooling kernel / trig weight;
+* ``fakek4-post`` / ``fakek4-pre`` / ``fakek4-token``: the plan's keep ratios and V bits with K held at 16 bits
+  but its prompt tokens put through a 4-bit round trip (:func:`fake_k4`): as the cache quantizes K (per channel
+  over 32 held tokens, after RoPE; the control, which should answer as ``base``), before RoPE, or per token.
+  A diagnosis of how K is quantized, not a method: the bytes are K16's, and the answer's own tokens stay 16-bit.
 
 Records are written per example (``records.jsonl`` in --out, resumed), then ``ablation.md``: accuracy % per
 variant with its 95% interval (Wilson, or bootstrap for fractional scores) and the measured cache bytes.
@@ -19,9 +23,11 @@ variant with its 95% interval (Wilson, or bootstrap for fractional scores) and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +42,26 @@ from moend_fx.eval.runner import Runner, example_contexts, load_records
 from moend_fx.eval.stats import summarize
 from moend_fx.eval.steps import EVAL_ATTN, decode, greedy_decode, stop_reason
 from moend_fx.eval.tasks.registry import make_examples, score
+from moend_fx.eviction.rope import RopeSpec, apply_rope, invert_rope, rope_from_model
 from moend_fx.models import load_model
 from moend_fx.plan.config import LayerConfig
+from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import RoutingPlan
 from moend_fx.solvers import get_solver
+from moend_fx.storage.packed import PackedKV
+from moend_fx.storage.quant import dequantize, quantize
 
 BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
-ALLOWED = "base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), trig-weight=W (>= 0)"
+FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
+ALLOWED = ("base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), trig-weight=W (>= 0), "
+           + ", ".join(FAKE_K4))
 
 
 def check_variant(variant: str) -> str:
     """``variant`` if it names a variant this script knows (before any model is loaded), else a MoendError."""
     name, _, value = variant.partition("=")
     try:
-        if variant in ("base", "keep1", "no-k4"):
+        if variant in ("base", "keep1", "no-k4", *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
@@ -72,12 +84,53 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
                 S[:, j] = BARRED_S
         barred = dataclasses.replace(table, S=S)
         return get_solver("greedy").solve(barred, budget, context_length=plan.context_length).plan
+    if variant in FAKE_K4:
+        return dataclasses.replace(plan, layers=tuple(LayerConfig(c.keep_ratio, 16, c.v_bits) for c in plan.layers))
     if variant == "keep1":
         return dataclasses.replace(plan, layers=tuple(LayerConfig(1.0, c.k_bits, c.v_bits) for c in plan.layers))
     if variant.startswith("k") and "v" in variant:
         k, v = (int(x) for x in variant[1:].split("v"))
         return dataclasses.replace(plan, layers=tuple(LayerConfig(c.keep_ratio, k, v) for c in plan.layers))
     return plan
+
+
+def fake_k4(k: torch.Tensor, positions: torch.Tensor, where: str, rope: RopeSpec, group_size: int = 32,
+            ) -> torch.Tensor:
+    """k: [B, H, n, D] post-RoPE keys held in this order at ``positions`` [B, H, n], with the tokens a 4-bit K
+    layer would pack (the first multiple of ``group_size``) replaced by their 4-bit round trip (from the 16-bit
+    copy, as the cache quantizes): ``post`` per channel over ``group_size`` held tokens, ``pre`` the same on the
+    un-rotated keys (then rotated back), ``token`` per token over ``group_size`` channels."""
+    p, _ = split_packed(k.shape[2], LayerConfig(0.5, 4, 16), group_size)
+    if not p:
+        return k
+    x, pos = k[:, :, :p].to(torch.float16).float(), positions[:, :, :p]
+    if where == "pre":
+        x = invert_rope(x, pos, rope)
+    x = dequantize(quantize(x, 4, group_size, "token" if where == "token" else "channel"), torch.float32)
+    if where == "pre":
+        x = apply_rope(x, pos, rope)
+    return torch.cat([x.to(k.dtype), k[:, :, p:]], dim=2)
+
+
+@contextlib.contextmanager
+def faked_keys(variant: str, rope: RopeSpec) -> Iterator[None]:
+    """While open, a 16-bit-K layer that evicts packs K through :func:`fake_k4` whenever it compresses from dense
+    K/V (the prompt, a capacity-mode eviction); ``variant`` one of FAKE_K4, any other leaves the cache alone."""
+    if variant not in FAKE_K4:
+        yield
+        return
+    where, original = variant.split("-")[1], PackedKV.__dict__["from_dense"]
+
+    def from_dense(cls, k, v, config, group_size=32, positions=None, valid=None):  # type: ignore[no-untyped-def]
+        if config.k_bits == 16 and positions is not None:
+            k = fake_k4(k, positions, where, rope, group_size)
+        return original.__func__(cls, k, v, config, group_size, positions, valid)
+
+    PackedKV.from_dense = classmethod(from_dense)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        PackedKV.from_dense = original  # type: ignore[method-assign]
 
 
 def scorer_kwargs(variant: str) -> dict[str, Any]:
@@ -109,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model("smollm2-135m")
     runner = Runner(model, tok, tables, cfg, progress=False)
     setting_plans = runner.by_setting[cfg.settings[0]]
+    rope = rope_from_model(model)
     model.set_attn_implementation(EVAL_ATTN)
     path = Path(args.out) / "records.jsonl"
     records = load_records(path, ("index", "variant")) if path.is_file() else []
@@ -122,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
             for v in todo:
                 kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v)}
-                cache = build_cache(spec, state, model=model, plan=variant_plan(plan, v, setting_plans.table,
-                                                                                args.budget), **kw)
-                measured = cache_nbytes(cache)
-                new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
-                                       stop=lambda s, ex=ex: stop_reason(ex, s))
+                with faked_keys(v, rope):
+                    cache = build_cache(spec, state, model=model,
+                                        plan=variant_plan(plan, v, setting_plans.table, args.budget), **kw)
+                    measured = cache_nbytes(cache)
+                    new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
+                                           stop=lambda s, ex=ex: stop_reason(ex, s))
                 text = decode(tok, new)
                 records.append(dict(index=i, variant=v, generated=text, score=score(ex, text),
                                     measured_bytes=measured, answers=list(ex.answers)))

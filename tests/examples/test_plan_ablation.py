@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from moend_fx.calibration.tables import load_table
 from moend_fx.common.errors import MoendError
@@ -63,3 +64,77 @@ def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, b
 @pytest.mark.parametrize("good", ["base", "keep1", "no-k4", "k8v4", "k16v16", "kernel=17", "trig-weight=0.5"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
+
+
+# --------------------------------------------------------------------------- fakek4-*: how K is quantized
+
+D, G = 64, 32
+
+
+def _keys(n: int, seed: int = 0):
+    """Post-RoPE keys [1, 2, n, D] (random, with a few large channels as real keys have) at scattered ascending
+    positions [1, 2, n]."""
+    from moend_fx.eviction.rope import RopeSpec, apply_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    pre = torch.randn(1, 2, n, D, generator=gen) * (1 + 4 * (torch.arange(D) % 13 == 0))
+    pos = torch.sort(torch.randperm(4 * n, generator=gen)[:n]).values.expand(1, 2, n).contiguous()
+    rope = RopeSpec.default(D)
+    return apply_rope(pre, pos, rope), pre, pos, rope
+
+
+@pytest.mark.parametrize("where,mode", [("post", "channel"), ("token", "token")])
+def test_fake_k4_is_the_storage_round_trip_of_the_packed_tokens_only(ablation, where, mode):
+    from moend_fx.storage.quant import dequantize, quantize
+
+    k, _, pos, rope = _keys(70)
+    out = ablation.fake_k4(k, pos, where, rope, G)
+    want = dequantize(quantize(k[:, :, :64].half().float(), 4, G, mode), torch.float32)
+    assert torch.equal(out[:, :, :64], want)  # the same ops on the same values: exact
+    assert torch.equal(out[:, :, 64:], k[:, :, 64:])  # the 6 tokens a 4-bit layer keeps in its 16-bit window
+    assert (out[:, :, :64] - k[:, :, :64]).abs().max() > 0.01  # 4 bits changed something
+
+
+def test_fake_k4_pre_quantizes_before_rope(ablation):
+    """Keys whose pre-RoPE values are the same at every position: before RoPE a channel's group has no range, so
+    the round trip only rounds the zero to fp16 (relative 2^-11, plus float32 rotation error); after RoPE the
+    tokens sit at unrelated angles and 4 bits lose about a step of 1/15 of the range."""
+    k, pre, pos, rope = _keys(64)
+    from moend_fx.eviction.rope import apply_rope
+
+    const = apply_rope(pre[:, :, :1].expand_as(pre).contiguous(), pos, rope)
+    scale = const.abs().max()
+    pre_err = (ablation.fake_k4(const, pos, "pre", rope, G) - const).abs().max()
+    post_err = (ablation.fake_k4(const, pos, "post", rope, G) - const).abs().max()
+    assert pre_err < 2e-3 * scale < 0.1 * post_err
+
+
+def test_faked_keys_swaps_the_16_bit_prompt_compression_and_restores_it(ablation):
+    from moend_fx.plan.config import LayerConfig
+    from moend_fx.storage.packed import PackedKV
+
+    k, _, pos, rope = _keys(70, seed=1)
+    v = torch.randn_like(k)
+    config, original = LayerConfig(0.5, 16, 4), PackedKV.__dict__["from_dense"]
+    with ablation.faked_keys("base", rope):
+        assert PackedKV.__dict__["from_dense"] is original
+    with ablation.faked_keys("fakek4-pre", rope):
+        faked = PackedKV.from_dense(k, v, config, G, positions=pos)
+    assert PackedKV.__dict__["from_dense"] is original
+    with pytest.raises(RuntimeError), ablation.faked_keys("fakek4-post", rope):
+        raise RuntimeError("a failed decode")
+    assert PackedKV.__dict__["from_dense"] is original
+    plain = PackedKV.from_dense(k, v, config, G, positions=pos)
+    got = faked.dequantize(torch.float32)[0]
+    assert torch.allclose(got, ablation.fake_k4(k, pos, "pre", rope, G).half().float())
+    assert not torch.allclose(got, plain.dequantize(torch.float32)[0])
+    assert torch.equal(faked.dequantize(torch.float32)[1], plain.dequantize(torch.float32)[1])  # V untouched
+
+
+def test_fake_variants_hold_k_at_16_bits_and_keep_the_rest_of_the_plan(ablation, solved):
+    table, plan = solved
+    for v in ablation.FAKE_K4:
+        assert ablation.check_variant(v) == v
+        got = ablation.variant_plan(plan, v, table, "14x")
+        assert [(c.keep_ratio, c.v_bits) for c in got.layers] == [(c.keep_ratio, c.v_bits) for c in plan.layers]
+        assert {c.k_bits for c in got.layers} == {16}
