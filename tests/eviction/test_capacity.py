@@ -201,13 +201,16 @@ def _generate_checked(model, table, plan, ids, steps: int) -> tuple[list[int], i
 
 
 @pytest.mark.slow
-def test_real_model_14x_plan_holds_its_budget_at_every_step_of_1000_tokens(smollm):
+def test_real_model_14x_plan_holds_its_budget_at_every_step_of_400_tokens(smollm):
     from moend_fx import get_solver
 
     model, table, ids, _ = smollm
     plan = get_solver("greedy").solve(table, "14x", context_length=ids.shape[1]).plan
-    seen, bound = _generate_checked(model, table, plan, ids, 1000)
-    assert len(seen) == 1000 and max(seen) >= 0.9 * bound  # held to the budget, and using it
+    # 400 tokens in CI (~0.3 s a step on one contended core; 1000 passed in the suites until 2026-12-03)
+    seen, bound = _generate_checked(model, table, plan, ids, 400)
+    assert len(seen) == 400 and max(seen) >= 0.9 * bound  # held to the budget, and using it
+    evictions = sum(b < a for a, b in zip(seen, seen[1:]))
+    assert evictions >= 30, evictions  # held through many evictions (60 when written), not only before the first
 
 
 @pytest.mark.slow
