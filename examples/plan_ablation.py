@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 from moend_fx.calibration.tables import setting_tables
+from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
+from moend_fx.common.options import QuantMode
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
 from moend_fx.eval.runner import Runner, example_contexts, load_records
@@ -94,7 +96,7 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
     return plan
 
 
-def fake_k4(k: torch.Tensor, positions: torch.Tensor, where: str, rope: RopeSpec, group_size: int = 32,
+def fake_k4(k: torch.Tensor, positions: torch.Tensor, where: str, rope: RopeSpec, group_size: int = GROUP_SIZE,
             ) -> torch.Tensor:
     """k: [B, H, n, D] post-RoPE keys held in this order at ``positions`` [B, H, n], with the tokens a 4-bit K
     layer would pack (the first multiple of ``group_size``) replaced by their 4-bit round trip (from the 16-bit
@@ -106,7 +108,8 @@ def fake_k4(k: torch.Tensor, positions: torch.Tensor, where: str, rope: RopeSpec
     x, pos = k[:, :, :p].to(torch.float16).float(), positions[:, :, :p]
     if where == "pre":
         x = invert_rope(x, pos, rope)
-    x = dequantize(quantize(x, 4, group_size, "token" if where == "token" else "channel"), torch.float32)
+    mode = QuantMode.TOKEN if where == "token" else QuantMode.CHANNEL
+    x = dequantize(quantize(x, 4, group_size, mode), torch.float32)
     if where == "pre":
         x = apply_rope(x, pos, rope)
     return torch.cat([x.to(k.dtype), k[:, :, p:]], dim=2)
@@ -121,7 +124,7 @@ def faked_keys(variant: str, rope: RopeSpec) -> Iterator[None]:
         return
     where, original = variant.split("-")[1], PackedKV.__dict__["from_dense"]
 
-    def from_dense(cls, k, v, config, group_size=32, positions=None, valid=None):  # type: ignore[no-untyped-def]
+    def from_dense(cls, k, v, config, group_size=GROUP_SIZE, positions=None, valid=None):  # type: ignore[no-untyped-def]
         if config.k_bits == 16 and positions is not None:
             k = fake_k4(k, positions, where, rope, group_size)
         return original.__func__(cls, k, v, config, group_size, positions, valid)
