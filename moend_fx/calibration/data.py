@@ -175,9 +175,10 @@ def retrieval_tail(tokenizer: Any, prefix: torch.Tensor, tokens: int, rng: rando
 
 def text_token_sequences(tokenizer: Any, num_sequences: int, tokens: int, *, seed: int = 0,
                          split: str = "calibration", folder: str | os.PathLike | None = None,
-                         tail: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+                         tail: int = 0, tail_sequences: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """``num_sequences`` sequences of exactly ``tokens`` token ids: [N, tokens] int64, plus a source record.
-    tail: the last ``tail`` tokens of each are :func:`retrieval_tail` questions about its earlier records."""
+    tail: the last ``tail`` tokens of the first ``tail_sequences`` sequences (None: all) are :func:`retrieval_tail`
+    questions about that sequence's earlier records; the others stay plain text."""
     _check_positive("num_sequences", num_sequences)
     _check_positive("tokens", tokens)
     rows: list[torch.Tensor] = []
@@ -192,7 +193,7 @@ def text_token_sequences(tokenizer: Any, num_sequences: int, tokens: int, *, see
                 break
             chars *= 2  # a tokenizer with long tokens: generate more text (deterministically)
         ids = ids[:tokens].to(torch.int64)
-        if 0 < tail < tokens:
+        if 0 < tail < tokens and (tail_sequences is None or i < tail_sequences):
             rng = random.Random(f"moend-calib-tail/{seed}/{split}/{i}")
             t = retrieval_tail(tokenizer, ids[: tokens - tail], tail, rng)
             if t is not None:
@@ -218,11 +219,13 @@ def random_token_sequences(vocab_size: int, num_sequences: int, tokens: int, *, 
 
 
 def token_sequences(model: Any, tokenizer: Any | None, num_sequences: int, tokens: int, *, seed: int = 0,
-                    split: str = "calibration", tail: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Text sequences when a tokenizer is given (``tail``: :func:`text_token_sequences`), else random ids over
-    the model's vocabulary."""
+                    split: str = "calibration", tail: int = 0, tail_sequences: int | None = None,
+                    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Text sequences when a tokenizer is given (``tail``, ``tail_sequences``: :func:`text_token_sequences`),
+    else random ids over the model's vocabulary."""
     if tokenizer is not None:
-        return text_token_sequences(tokenizer, num_sequences, tokens, seed=seed, split=split, tail=tail)
+        return text_token_sequences(tokenizer, num_sequences, tokens, seed=seed, split=split, tail=tail,
+                                    tail_sequences=tail_sequences)
     return random_token_sequences(int(model.config.vocab_size), num_sequences, tokens, seed=seed, split=split)
 
 

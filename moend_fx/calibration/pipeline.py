@@ -49,9 +49,11 @@ __all__ = ["CalibrationSettings", "calibrate", "compress_side", "layer_errors", 
            "stale_reason", "window_attention"]
 
 
-CALIBRATION_VERSION = 3
-_VERSION_NOTE = ("3: per-layer gains on 2 sequences by default (the predicted loss is an end-to-end KL); 2: query "
-                 "statistics exclude the measured window, S monotone in keep ratio, the cache's keep floor")
+CALIBRATION_VERSION = 4
+_VERSION_NOTE = ("4: the text sequences end with a retrieval tail (questions about their earlier records), so "
+                 "S and the gains rate layers by retrieved facts; 3: per-layer gains on 2 "
+                 "sequences by default (the predicted loss is an end-to-end KL); 2: query statistics exclude the "
+                 "measured window, S monotone in keep ratio, the cache's keep floor")
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,12 @@ class CalibrationSettings:
     """How a table was calibrated (stored in the table's metadata).
 
     window: the last queries whose attention error is measured (the scorer itself reads the cache's query window,
-    ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tail: each text sequence ends with ``window``
-    tokens of questions about its earlier records (``moend_fx.calibration.data.retrieval_tail``), so the measured
-    queries retrieve facts (text sequences only; random ids have none). gain_probe: the config name whose one-layer
-    KL sets per-layer gains (:mod:`moend_fx.calibration.gains`; any config), or None for the paper's ``sum S``."""
+    ``moend_fx.common.defaults.QUERY_WINDOW``, of them). retrieval_tails: how many text sequences (the first ones)
+    end with ``window`` tokens of questions about their earlier records
+    (``moend_fx.calibration.data.retrieval_tail``), so their measured queries retrieve facts; the others stay
+    plain text (random ids have no records). None (the default): every sequence; 0: none
+    (docs/calibration.md, "Calibration text", for what each costs). gain_probe: the config name whose one-layer KL sets
+    per-layer gains (:mod:`moend_fx.calibration.gains`; any config), or None for the paper's ``sum S``."""
 
     tokens: int = CALIBRATION_TOKENS
     num_sequences: int = 2
@@ -72,7 +76,7 @@ class CalibrationSettings:
     group_size: int = GROUP_SIZE
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
-    retrieval_tail: bool = False
+    retrieval_tails: int | None = None
     gain_probe: str | None = RECOMMENDED_PROBE
 
     def __post_init__(self) -> None:
@@ -81,8 +85,11 @@ class CalibrationSettings:
         for name in ("sink_tokens", "recent_tokens", "seed"):
             check_int(name, getattr(self, name), minimum=0)
         check_power_of_two("group_size", self.group_size)
-        if not isinstance(self.retrieval_tail, bool):
-            raise MoendError(f"retrieval_tail={self.retrieval_tail!r} is invalid; allowed: True or False")
+        if self.retrieval_tails is not None:
+            check_int("retrieval_tails", self.retrieval_tails, minimum=0)
+        if self.retrieval_tails is not None and self.retrieval_tails > self.num_sequences:
+            raise MoendError(f"retrieval_tails={self.retrieval_tails} is invalid with num_sequences="
+                             f"{self.num_sequences}; allowed: 0 to {self.num_sequences}")
         object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
         if self.gain_probe is not None:
             probe = LayerConfig.from_name(self.gain_probe, "gain_probe")
@@ -211,14 +218,15 @@ def _settings_and_tokens(model: Any, tokenizer: Any | None, token_ids: torch.Ten
     if token_ids is None:
         token_ids, source = token_sequences(model, tokenizer, settings.num_sequences, settings.tokens,
                                             seed=settings.seed, split="calibration",
-                                            tail=settings.window if settings.retrieval_tail else 0)
+                                            tail=0 if settings.retrieval_tails == 0 else settings.window,
+                                            tail_sequences=settings.retrieval_tails)
         return settings, token_ids, source
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 2 or token_ids.shape[1] < 2 or token_ids.dtype.is_floating_point:
         raise MoendError(f"token_ids must be an integer [N, T] tensor with T >= 2; got "
                          f"{tuple(token_ids.shape)} {token_ids.dtype}")
     settings = CalibrationSettings(**{**settings.to_dict(), "tokens": int(token_ids.shape[1]),
-                                      "num_sequences": int(token_ids.shape[0])})
+                                      "num_sequences": int(token_ids.shape[0]), "retrieval_tails": 0})
     return settings, token_ids, {"kind": "token_ids"}
 
 

@@ -36,7 +36,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     scorer = args.scorer or default_scorer(args.setting)
     table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=scorer,
-                      seed=args.seed, window=args.window, retrieval_tail=args.retrieval_tail,
+                      seed=args.seed, window=args.window, retrieval_tails=args.retrieval_tails,
                       gain_probe=None if args.no_gains else args.gain_probe, progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=scorer)
@@ -188,9 +188,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=cal.seed, help="calibration text seed")
     p.add_argument("--window", type=positive_int, default=cal.window,
                    help="last queries whose attention error is measured (default %(default)s)")
-    p.add_argument("--retrieval-tail", action=argparse.BooleanOptionalAction, default=cal.retrieval_tail,
-                   help="end each sequence with --window tokens of questions about its earlier records "
-                        "(default %(default)s)")
+    p.add_argument("--retrieval-tails", type=int, default=cal.retrieval_tails, metavar="N",
+                   help="end the first N sequences with --window tokens of questions about their earlier records "
+                        "(0 to --sequences; default: all)")
     p.add_argument("--gain-probe", default=cal.gain_probe,
                    help="config (keep<ratio>_k<bits>_v<bits>) whose end-to-end KL, one layer at a time, sets the "
                         "per-layer gains: the predicted loss is sum gain * S^2 (default %(default)s; "

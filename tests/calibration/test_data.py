@@ -43,3 +43,14 @@ def test_no_tail_without_records_to_ask_about():
     ids, src = text_token_sequences(tok, 1, 300, seed=7, tail=100)  # 200 bytes of licence text: no record
     plain, _ = text_token_sequences(tok, 1, 300, seed=7)
     assert src["sequences_with_tail"] == 0 and torch.equal(ids, plain)
+
+
+def test_only_the_first_tail_sequences_end_with_a_tail(tmp_path):
+    # `moend calibrate --retrieval-tails 1`: one tailed sequence, the rest plain text (measured in docs/calibration.md)
+    tok, tokens, tail = ByteTok(), 6000, 400
+    plain, _ = text_token_sequences(tok, 3, tokens, seed=3, folder=tmp_path)
+    mixed, src = text_token_sequences(tok, 3, tokens, seed=3, tail=tail, tail_sequences=1, folder=tmp_path)
+    all_tailed, _ = text_token_sequences(tok, 3, tokens, seed=3, tail=tail, folder=tmp_path)
+    assert src["sequences_with_tail"] == 1
+    assert torch.equal(mixed[0], all_tailed[0]) and not torch.equal(mixed[0], plain[0])
+    assert torch.equal(mixed[1:], plain[1:])

@@ -259,6 +259,7 @@ def test_token_ids_input(model):
     t = calibrate(model, token_ids=ids, grid=Grid((0.5, 1.0), (16,), (16, 4)))
     assert t.calibration["tokens"] == 64 and t.calibration["num_sequences"] == 2
     assert t.calibration["source"] == {"kind": "token_ids"}
+    assert t.calibration["retrieval_tails"] == 0  # the caller's ids are used as given
 
 
 def test_bad_input(model):
@@ -272,6 +273,12 @@ def test_bad_input(model):
         calibrate(model, token_ids=torch.rand(1, 10))
     with pytest.raises(MoendError, match="group_size=24"):
         CalibrationSettings(group_size=24)
+    with pytest.raises(MoendError, match=r"retrieval_tails=3 is invalid with num_sequences=2; allowed: 0 to 2"):
+        CalibrationSettings(retrieval_tails=3)
+    with pytest.raises(MoendError, match="retrieval_tails=-1"):
+        CalibrationSettings(retrieval_tails=-1)
+    assert CalibrationSettings(num_sequences=4, retrieval_tails=4).retrieval_tails == 4
+    assert CalibrationSettings(num_sequences=1).retrieval_tails is None  # the default: every sequence
 
 
 def test_text_calibration_with_a_tokenizer(model):
@@ -281,6 +288,9 @@ def test_text_calibration_with_a_tokenizer(model):
     class ByteTok:
         def __call__(self, text, return_tensors=None, add_special_tokens=False):
             return {"input_ids": torch.tensor([list(text.encode("utf-8"))])}
+
+        def decode(self, ids):  # the default retrieval tail reads the records back
+            return bytes(ids).decode("utf-8", errors="replace")
 
     a, src = text_token_sequences(ByteTok(), 2, 300, seed=7)
     b, _ = text_token_sequences(ByteTok(), 2, 300, seed=7)
