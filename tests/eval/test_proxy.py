@@ -161,7 +161,10 @@ def test_proxy_spearman_on_real_model():
 
     model, tok = load_model("smollm2-135m")
     t0 = time.perf_counter()
-    tab = calibrate(model, tok, tokens=1024, num_sequences=1)
+    # Plain-text calibration, like the plain-text held-out set: this checks the proxy itself. The default
+    # retrieval tail (calibration v4) rates layers by retrieved answers and ranks plain-text plans less well
+    # (0.775 on this reduced set; 0.902 vs 0.972 on the published one, docs/calibration.md).
+    tab = calibrate(model, tok, tokens=1024, num_sequences=1, retrieval_tails=0)
     settings = ProxySettings(sequences=3, tokens=1024, continuation=32, random_plans=12,
                              budgets=("2x", "3x", "4x", "6x", "8x", "12x"))
     res = validate_proxy(model, tok, tab, settings)
