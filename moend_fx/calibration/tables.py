@@ -95,7 +95,7 @@ def setting_tables(model: str, settings: Any, table: str | Path | None = None,
     setting, or each setting's cached default (:func:`setting_table_path`; settings that share a file share one
     loaded table). A default table calibrated with other scorer options than this version's is a TableError;
     a given one only a warning."""
-    from moend_fx.calibration.pipeline import stale_reason
+    from moend_fx.calibration.settings import stale_reason
 
     paths = {s: Path(table) if table else setting_table_path(model, s) for s in settings}
     loaded: dict[Path, SensitivityTable] = {}

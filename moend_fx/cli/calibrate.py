@@ -169,7 +169,7 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     # The defaults are the library's own (one home): the settings classes' field defaults.
-    from moend_fx.calibration.pipeline import CalibrationSettings
+    from moend_fx.calibration.settings import CalibrationSettings
     from moend_fx.eval.proxy import ProxySettings
 
     cal, proxy = CalibrationSettings(), ProxySettings()

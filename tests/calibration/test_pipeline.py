@@ -273,12 +273,6 @@ def test_bad_input(model):
         calibrate(model, token_ids=torch.rand(1, 10))
     with pytest.raises(MoendError, match="group_size=24"):
         CalibrationSettings(group_size=24)
-    with pytest.raises(MoendError, match=r"retrieval_tails=3 is invalid with num_sequences=2; allowed: 0 to 2"):
-        CalibrationSettings(retrieval_tails=3)
-    with pytest.raises(MoendError, match="retrieval_tails=-1"):
-        CalibrationSettings(retrieval_tails=-1)
-    assert CalibrationSettings(num_sequences=4, retrieval_tails=4).retrieval_tails == 4
-    assert CalibrationSettings(num_sequences=1).retrieval_tails is None  # the default: every sequence
 
 
 def test_text_calibration_with_a_tokenizer(model):
