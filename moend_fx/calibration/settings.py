@@ -56,9 +56,9 @@ class CalibrationSettings:
         check_power_of_two("group_size", self.group_size)
         if self.retrieval_tails is not None:
             check_int("retrieval_tails", self.retrieval_tails, minimum=0)
-        if self.retrieval_tails is not None and self.retrieval_tails > self.num_sequences:
-            raise MoendError(f"retrieval_tails={self.retrieval_tails} is invalid with num_sequences="
-                             f"{self.num_sequences}; allowed: 0 to {self.num_sequences}")
+            if self.retrieval_tails > self.num_sequences:
+                raise MoendError(f"retrieval_tails={self.retrieval_tails} is invalid with num_sequences="
+                                 f"{self.num_sequences}; allowed: 0 to {self.num_sequences}")
         object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
         if self.gain_probe is not None:
             probe = LayerConfig.from_name(self.gain_probe, "gain_probe")
