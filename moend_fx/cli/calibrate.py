@@ -25,19 +25,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from moend_fx.calibration.pipeline import calibrate
+    from moend_fx.calibration.settings import CalibrationSettings
+    from moend_fx.eviction.scorers import default_scorer
     from moend_fx.models import load_model
 
+    scorer = args.scorer or default_scorer(args.setting)
+    # checked before the model loads, so a bad value fails at once with the allowed range
+    settings = CalibrationSettings(tokens=args.tokens, num_sequences=args.sequences, scorer=scorer, seed=args.seed,
+                                   window=args.window, retrieval_tails=args.retrieval_tails,
+                                   gain_probe=None if args.no_gains else args.gain_probe)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    from moend_fx.eviction.scorers import default_scorer
-
-    scorer = args.scorer or default_scorer(args.setting)
-    table = calibrate(model, tok, tokens=args.tokens, num_sequences=args.sequences, scorer=scorer,
-                      seed=args.seed, window=args.window, retrieval_tails=args.retrieval_tails,
-                      gain_probe=None if args.no_gains else args.gain_probe, progress=not args.quiet)
+    table = calibrate(model, tok, settings=settings, progress=not args.quiet)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = Path(args.out) if args.out else default_table_path(args.model, args.tokens, scorer=scorer)
     table.save(out)

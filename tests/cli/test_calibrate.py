@@ -62,3 +62,20 @@ def test_calibrate_measures_gains_by_default_and_not_with_no_gains(tmp_path, cap
         assert table.calibration["gain_probe"] == ("keep0.5_k4_v4" if gained else None)
         if gained:
             assert (table.gain > 0).all() and table.gain.shape == (table.num_layers,)
+
+
+@pytest.mark.parametrize("extra, named", [(["--retrieval-tails", "5"], "retrieval_tails=5"),
+                                          (["--gain-probe", "keep1.0_k16_v16"], "gain_probe")])
+def test_calibrate_rejects_bad_settings_before_loading_the_model(monkeypatch, capsys, tmp_path, extra, named):
+    """A bad option fails at once with the allowed values: no model is loaded for a run that cannot start."""
+    import moend_fx.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(moend_fx.models, "load_model", no_load)
+    argv = ["calibrate", "--sequences", "2", "--quiet", "--out", str(tmp_path / "t.safetensors"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moend: error:") and named in err
+    assert not (tmp_path / "t.safetensors").exists()
