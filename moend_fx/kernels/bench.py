@@ -11,6 +11,9 @@ K/V from memory rather than from a cache warmed by the previous call (design.md)
 ``gb_per_s`` is the bytes the method reads (dense fp32 for SDPA; the compressed layer, scales and residual
 included, for the others) over its time; ``x_vs_sdpa`` is SDPA's time over the method's at the same thread
 count; ``x_vs_1_thread`` the method's 1-thread time over its time at this row's thread count.
+``stream_gb_per_s`` is what this host reads at that thread count in the same run (``torch.sum`` over a
+``STREAM_BYTES`` fp32 tensor, median of ``STREAM_RUNS``) and ``of_stream`` the row's share of it: GB/s figures
+move with the host (2x between VMs of one kind), the share much less.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ ROTATE_BYTES = 96 * 2**20  # more than the last-level cache, so rotated copies c
 DEFAULT_LENGTHS = (8192, 32768, 131072)
 DEFAULT_BITS = (16, 8, 4, 2)
 REFERENCE_MAX_TOKENS = 32768  # dequantize + SDPA is 10-30x slower: timed only up to here
+STREAM_BYTES = 512 * 2**20  # 16x the last-level cache: a sum over it reads DRAM
+STREAM_RUNS = 7
 
 
 def _time(fn: Callable[[int], object], copies: int, runs: int) -> float:
@@ -48,6 +53,14 @@ def _time(fn: Callable[[int], object], copies: int, runs: int) -> float:
         fn(r % copies)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def stream_read_gbs(nbytes: int = STREAM_BYTES, runs: int = STREAM_RUNS) -> float:
+    """GB/s that ``torch.sum`` reads from an fp32 tensor of ``nbytes`` at the current thread count (median of
+    ``runs``): the host's streaming read rate, the ceiling a memory-bound kernel is read against."""
+    x = torch.rand(max(1, nbytes // 4))
+    ms = _time(lambda i: x.sum(), 1, runs)
+    return x.numel() * 4 / (ms * 1e-3) / 1e9
 
 
 def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedKV]], n: int) -> list[tuple]:
@@ -70,17 +83,22 @@ def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedK
 def bench_decode(
     lengths: tuple[int, ...] = DEFAULT_LENGTHS, runs: int = 30, heads: int = 9, kv_heads: int = 3,
     head_dim: int = 64, bits: tuple[int, ...] = DEFAULT_BITS, group_size: int = GROUP_SIZE, seed: int = 0,
-    threads: tuple[int, ...] | None = None,
+    threads: tuple[int, ...] | None = None, stream_bytes: int = STREAM_BYTES,
 ) -> list[dict]:
     """Median ms per call for each method, length and thread count (default: 1 and the current count).
 
-    Rows: {method, tokens, threads, ms, bytes, gb_per_s, x_vs_sdpa, x_vs_1_thread, ratio_vs_sdpa}."""
+    Rows: {method, tokens, threads, ms, bytes, gb_per_s, x_vs_sdpa, x_vs_1_thread, ratio_vs_sdpa,
+    stream_gb_per_s, of_stream}; stream_bytes: the streaming-read reference's size (:func:`stream_read_gbs`)."""
     before = torch.get_num_threads()
     threads = threads or tuple(sorted({1, before}))
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, 1, head_dim, generator=g)
     rows: list[dict] = []
+    stream: dict[int, float] = {}
     try:
+        for t in threads:
+            torch.set_num_threads(t)
+            stream[t] = stream_read_gbs(stream_bytes)
         for n in lengths:
             copies = max(2, math.ceil(ROTATE_BYTES / (2 * kv_heads * n * head_dim * 4)))
             ks = [torch.randn(1, kv_heads, n, head_dim, generator=g) for _ in range(copies)]
@@ -95,6 +113,8 @@ def bench_decode(
             del ks, vs, layers
     finally:
         torch.set_num_threads(before)
+    for r in rows:
+        r["stream_gb_per_s"] = stream[r["threads"]]
     return _ratios(rows)
 
 
@@ -105,6 +125,8 @@ def _ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_sdpa"] = r["ms"] / sdpa[r["tokens"], r["threads"]]
         r["x_vs_sdpa"] = 1.0 / r["ratio_vs_sdpa"]
         r["gb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+        if "stream_gb_per_s" in r:
+            r["of_stream"] = r["gb_per_s"] / r["stream_gb_per_s"]
         base = one.get((r["method"], r["tokens"]))
         r["x_vs_1_thread"] = base / r["ms"] if base else None
     return rows
@@ -118,24 +140,39 @@ def _goals(rows: list[dict]) -> list[str]:
         return []
     lines = ["", f"k4v4 at {top} threads against the targets (issue 15):", "",
              "| tokens | x faster than fp32 SDPA (target >= 5 at 8k) | GB/s (target >= 10 at 32k, 128k) "
-             f"| {top} vs 1 thread (target >= 1.7 at 32k) |", "| ---: | ---: | ---: | ---: |"]
+             f"| % of the host's streaming read | {top} vs 1 thread (target >= 1.7 at 32k) |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
     for n, r in sorted(k4.items()):
         x1 = f"{r['x_vs_1_thread']:.2f}" if r["x_vs_1_thread"] else "-"
-        lines.append(f"| {n} | {r['x_vs_sdpa']:.2f} | {r['gb_per_s']:.1f} | {x1} |")
+        lines.append(f"| {n} | {r['x_vs_sdpa']:.2f} | {r['gb_per_s']:.1f} | {_pct(r)} | {x1} |")
     return lines
+
+
+def _pct(r: dict) -> str:
+    return f"{100 * r['of_stream']:.0f}%" if "of_stream" in r else "-"
+
+
+def _stream_line(rows: list[dict]) -> list[str]:
+    """The host's streaming read rate per thread count, as measured in this run."""
+    stream = dict(sorted({r["threads"]: r["stream_gb_per_s"] for r in rows if "stream_gb_per_s" in r}.items()))
+    if not stream:
+        return []
+    rates = ", ".join(f"{v:.1f} GB/s at {t} thread{'s' if t > 1 else ''}" for t, v in stream.items())
+    return ["", f"This host's streaming read (torch.sum over {STREAM_BYTES // 2**20} MB of fp32, same run): {rates}."]
 
 
 def to_markdown(rows: list[dict]) -> str:
     counts = ", ".join(str(t) for t in sorted({r["threads"] for r in rows}))
     lines = [f"Decode attention, q 1x9x1x64, 3 KV heads, {counts} threads, median ms (x vs SDPA = fp32 SDPA time "
-             "/ time at the same thread count, > 1 is faster; GB/s on the bytes each method reads)", "",
-             "| method | tokens | threads | ms | x vs SDPA | bytes read | GB/s | x vs 1 thread |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "/ time at the same thread count, > 1 is faster; GB/s on the bytes each method reads; % stream = "
+             "that GB/s over the host's streaming read at the same thread count)", "",
+             "| method | tokens | threads | ms | x vs SDPA | bytes read | GB/s | % stream | x vs 1 thread |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         x1 = f"{r['x_vs_1_thread']:.2f}" if r["threads"] != 1 and r["x_vs_1_thread"] else "-"
         lines.append(f"| {r['method']} | {r['tokens']} | {r['threads']} | {r['ms']:.3f} | {r['x_vs_sdpa']:.2f} | "
-                     f"{r['bytes']} | {r['gb_per_s']:.1f} | {x1} |")
-    return "\n".join(lines + _goals(rows)) + "\n"
+                     f"{r['bytes']} | {r['gb_per_s']:.1f} | {_pct(r)} | {x1} |")
+    return "\n".join(lines + _stream_line(rows) + _goals(rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
