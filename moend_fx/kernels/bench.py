@@ -88,7 +88,8 @@ def bench_decode(
     """Median ms per call for each method, length and thread count (default: 1 and the current count).
 
     Rows: {method, tokens, threads, ms, bytes, gb_per_s, x_vs_sdpa, x_vs_1_thread, ratio_vs_sdpa,
-    stream_gb_per_s, of_stream}; stream_bytes: the streaming-read reference's size (:func:`stream_read_gbs`)."""
+    stream_gb_per_s, stream_bytes, of_stream}; stream_bytes: the streaming-read reference's size
+    (:func:`stream_read_gbs`)."""
     before = torch.get_num_threads()
     threads = threads or tuple(sorted({1, before}))
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +115,7 @@ def bench_decode(
     finally:
         torch.set_num_threads(before)
     for r in rows:
-        r["stream_gb_per_s"] = stream[r["threads"]]
+        r["stream_gb_per_s"], r["stream_bytes"] = stream[r["threads"]], stream_bytes
     return _ratios(rows)
 
 
@@ -125,8 +126,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_sdpa"] = r["ms"] / sdpa[r["tokens"], r["threads"]]
         r["x_vs_sdpa"] = 1.0 / r["ratio_vs_sdpa"]
         r["gb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-        if "stream_gb_per_s" in r:
-            r["of_stream"] = r["gb_per_s"] / r["stream_gb_per_s"]
+        r["of_stream"] = r["gb_per_s"] / r["stream_gb_per_s"]
         base = one.get((r["method"], r["tokens"]))
         r["x_vs_1_thread"] = base / r["ms"] if base else None
     return rows
@@ -144,21 +144,16 @@ def _goals(rows: list[dict]) -> list[str]:
              "| ---: | ---: | ---: | ---: | ---: |"]
     for n, r in sorted(k4.items()):
         x1 = f"{r['x_vs_1_thread']:.2f}" if r["x_vs_1_thread"] else "-"
-        lines.append(f"| {n} | {r['x_vs_sdpa']:.2f} | {r['gb_per_s']:.1f} | {_pct(r)} | {x1} |")
+        lines.append(f"| {n} | {r['x_vs_sdpa']:.2f} | {r['gb_per_s']:.1f} | {100 * r['of_stream']:.0f}% | {x1} |")
     return lines
-
-
-def _pct(r: dict) -> str:
-    return f"{100 * r['of_stream']:.0f}%" if "of_stream" in r else "-"
 
 
 def _stream_line(rows: list[dict]) -> list[str]:
     """The host's streaming read rate per thread count, as measured in this run."""
-    stream = dict(sorted({r["threads"]: r["stream_gb_per_s"] for r in rows if "stream_gb_per_s" in r}.items()))
-    if not stream:
-        return []
+    stream = dict(sorted({r["threads"]: r["stream_gb_per_s"] for r in rows}.items()))
     rates = ", ".join(f"{v:.1f} GB/s at {t} thread{'s' if t > 1 else ''}" for t, v in stream.items())
-    return ["", f"This host's streaming read (torch.sum over {STREAM_BYTES // 2**20} MB of fp32, same run): {rates}."]
+    size = f"{rows[0]['stream_bytes'] / 2**20:g} MB"
+    return ["", f"This host's streaming read (torch.sum over {size} of fp32, same run): {rates}."]
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -171,7 +166,7 @@ def to_markdown(rows: list[dict]) -> str:
     for r in rows:
         x1 = f"{r['x_vs_1_thread']:.2f}" if r["threads"] != 1 and r["x_vs_1_thread"] else "-"
         lines.append(f"| {r['method']} | {r['tokens']} | {r['threads']} | {r['ms']:.3f} | {r['x_vs_sdpa']:.2f} | "
-                     f"{r['bytes']} | {r['gb_per_s']:.1f} | {_pct(r)} | {x1} |")
+                     f"{r['bytes']} | {r['gb_per_s']:.1f} | {100 * r['of_stream']:.0f}% | {x1} |")
     return "\n".join(lines + _stream_line(rows) + _goals(rows)) + "\n"
 
 
