@@ -97,7 +97,7 @@ def main() -> None:
         out = model.generate(**ids, max_new_tokens=max_new, do_sample=False, return_dict_in_generate=True)
     gen_s = time.perf_counter() - t0
     answer = tok.decode(out.sequences[0, n_prompt:], skip_special_tokens=True)
-    cache = out.past_key_values
+    cache = out.cache
     measured = cache.nbytes().total
     full16 = full_cache_bytes(fp, cache.get_seq_length())
     full_model = full_cache_bytes(fp, cache.get_seq_length(), dtype=None)

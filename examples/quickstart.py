@@ -36,7 +36,7 @@ def main() -> None:
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
     print(tok.decode(out.sequences[0, n:], skip_special_tokens=True))
-    used = out.past_key_values.nbytes().total
+    used = out.cache.nbytes().total
     print(f"cache: {format_bytes(used)} vs {format_bytes(full_cache_bytes(model, n + 20))} for a 16-bit cache")
 
 

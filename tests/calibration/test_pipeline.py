@@ -72,7 +72,7 @@ def test_capture_keys_are_the_cache_keys(model):
         cap = AttentionCapture(model, window=8)
         with cap:
             model(input_ids=ids, use_cache=False)
-    layer = out.past_key_values.layers[2]
+    layer = out.cache.layers[2]
     torch.testing.assert_close(cap.layers[2].keys, layer.keys, rtol=0, atol=0)
     torch.testing.assert_close(cap.layers[2].values, layer.values, rtol=0, atol=0)
 

@@ -45,7 +45,7 @@ def test_preset_forward_shapes_and_fingerprint(name):
     assert fp == ModelFingerprint(ARCH[spec["family"]], spec["num_layers"], spec["num_kv_heads"],
                                   spec["head_dim"], spec["num_heads"], "float32")
     # Keys reach the cache as [B, Hkv, T, D]: the GQA head count is real, not just in the config.
-    k = out.past_key_values.layers[0].keys
+    k = out.cache.layers[0].keys
     assert k.shape == (2, spec["num_kv_heads"], 33, spec["head_dim"])
 
 

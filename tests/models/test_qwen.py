@@ -55,8 +55,8 @@ def test_qwen_keys_reach_the_cache_with_two_kv_heads(qwen):
     ids = tok("def add(a, b):", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model(ids, use_cache=True)
-    assert out.past_key_values.layers[0].keys.shape == (1, 2, ids.shape[1], 64)
-    assert len(out.past_key_values.layers) == 24
+    assert out.cache.layers[0].keys.shape == (1, 2, ids.shape[1], 64)
+    assert len(out.cache.layers) == 24
 
 
 def test_qwen_answers_a_chat_question_greedily(qwen):
