@@ -270,13 +270,13 @@ class PackedKV:
         """(k_res, v_res): [B, H, R, D] and [B, H, n - Pv, D] (no tokens when V is packed on arrival)."""
         return self.k_res, self.v_res
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer stores, each with the token axis at dim 2 (codes, scales and zeros of a
-        quantized side, the raw tensor of a 16-bit side, the residual windows, the positions)."""
+    def tensors(self, *, growing: bool = False) -> list[torch.Tensor]:
+        """Every tensor this layer stores, token axis at dim 2 (codes, scales and zeros of a quantized side, a 16-bit
+        side's raw tensor, the residuals, the positions); growing: not a V residual that stays empty (V on arrival)."""
         out: list[torch.Tensor] = []
         for block in self.blocks():
             out += [block] if isinstance(block, torch.Tensor) else list(block.tensors())
-        out += [self.k_res, self.v_res]
+        out += [self.k_res] if growing and self.v_on_arrival else [self.k_res, self.v_res]
         if self.positions is not None:
             out.append(self.positions)
         return out

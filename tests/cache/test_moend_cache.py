@@ -388,14 +388,24 @@ def test_a_filled_group_is_flushed_lazily_and_settle_restores_the_memory_model()
     assert layer.packed.num_packed == 64 and layer.packed.k_res.shape[2] == 0
 
 
-def test_before_step_marks_every_cache_tensor_dynamic_along_tokens():
+@pytest.mark.parametrize("v_bits", [8, 16])
+def test_before_step_marks_every_growing_cache_tensor_dynamic_along_tokens(v_bits):
+    """Every tensor whose token axis grows is marked; a V packed on arrival leaves its residual empty for good, and
+    that one stays static (one symbol fewer per layer in the decode graph)."""
     model = _moend(_model())
-    cache = MoENDCache(_plan(model, LayerConfig(0.5, 4, 8)), scorer="snapkv")
+    cache = MoENDCache(_plan(model, LayerConfig(0.5, 4, v_bits)), scorer="snapkv")
     _decode(model, cache, _ids(1, 70), 2)
     cache.before_step()
     tensors = [t for layer in cache.layers for t in layer.stored_tensors()]
-    assert len(tensors) == 2 * 10  # codes, scale, zero (K and V), 2 residuals, positions, query window; 2 layers
-    assert all(2 in getattr(t, "_dynamo_weak_dynamic_indices", ()) for t in tensors)
+    # codes, scale, zero of K; of V too when quantized, else its raw block; 2 residuals, positions, query window
+    assert len(tensors) == 2 * (10 if v_bits < 16 else 8)
+    marked = [t for t in tensors if 2 in getattr(t, "_dynamo_weak_dynamic_indices", ())]
+    static = [t for t in tensors if all(t is not m for m in marked)]
+    if v_bits < 16:
+        assert [id(t) for t in static] == [id(layer.packed.v_res) for layer in cache.layers]
+        assert all(t.shape[2] == 0 for t in static)
+    else:
+        assert not static
 
 
 @pytest.mark.parametrize("fn", ["fused_layer_attention", "packed_layer_attention"])

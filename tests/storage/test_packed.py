@@ -177,6 +177,20 @@ def test_map_reaches_every_stored_tensor():
     assert doubled.residuals() == (doubled.k_res, doubled.v_res) and doubled.blocks()[0] is doubled.k_packed
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_growing_tensors_leave_out_only_a_v_residual_that_stays_empty(config):
+    """tensors(growing=True) is what a compiled decode step marks dynamic: everything but the V residual of a V
+    packed on arrival, which stays empty through appends and flushes."""
+    pos = torch.arange(40).expand(1, 2, 40) if config.evicts else None
+    layer = PackedKV.from_dense(rand(1, 2, 40, 16), rand(1, 2, 40, 16, seed=1), config, 32, pos)
+    for step in range(30):  # through a flush at 64 tokens
+        new = torch.tensor([[[40 + step]]], dtype=torch.int16).expand(1, 2, 1) if config.evicts else None
+        layer = layer.append(rand(1, 2, 1, 16, seed=10 + step), rand(1, 2, 1, 16, seed=50 + step), new)
+        left_out = [t for t in layer.tensors() if all(t is not g for g in layer.tensors(growing=True))]
+        assert [id(t) for t in left_out] == ([id(layer.v_res)] if config.v_bits < 16 else [])
+        assert all(t.shape[2] == 0 for t in left_out)
+
+
 def test_bad_inputs():
     k = rand(1, 2, 8, 16)
     with pytest.raises(MoendError, match="positions"):
