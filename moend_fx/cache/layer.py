@@ -195,9 +195,10 @@ class MoENDLayer(CacheLayerMixin):
     def pending_prefill(self) -> bool:
         return self._pending == "prefill"
 
-    def stored_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's and the scorer's query window."""
-        return ([] if self.packed is None else self.packed.tensors()) + self.evictor.tensors()
+    def stored_tensors(self, *, growing: bool = False) -> list[torch.Tensor]:
+        """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's and the scorer's query window
+        (growing: leave out what never grows, ``PackedKV.tensors``)."""
+        return ([] if self.packed is None else self.packed.tensors(growing=growing)) + self.evictor.tensors()
 
     # ------------------------------------------------------------------ called by the attention function
     def finish_prefill(
@@ -283,8 +284,7 @@ class MoENDLayer(CacheLayerMixin):
         cache does not recompile the decode graph once per new size. An always-empty V residual stays static: one
         symbol fewer per layer (SmolLM2's cold compile at 2k 5-9% shorter in four alternating pairs of runs)."""
         self.settle()
-        tensors = ([] if self.packed is None else self.packed.tensors(growing=True)) + self.evictor.tensors()
-        for t in tensors:
+        for t in self.stored_tensors(growing=True):
             torch._dynamo.maybe_mark_dynamic(t, 2)
 
     def settle(self) -> None:
