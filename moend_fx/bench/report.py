@@ -56,6 +56,8 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "Wall time to measure the sensitivity table S[layer, config]."),
     SectionSpec("kernels", "Decode attention kernels", "moend bench kernels",
                 "One decode attention call over a compressed layer: fused CPU kernel vs SDPA vs dequantize+SDPA."),
+    SectionSpec("triton", "Decode attention on a GPU (Triton)", "moend bench triton",
+                "One decode attention call on a CUDA GPU: the Triton kernel over a compressed layer vs fp16 SDPA."),
 )
 KEYS: tuple[str, ...] = tuple(s.key for s in SECTIONS)
 

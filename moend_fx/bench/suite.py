@@ -128,6 +128,18 @@ def bench_kernels_section(lengths: Sequence[int], *, runs: int = 30, out: str | 
     return md, files
 
 
+def bench_triton_section(lengths: Sequence[int], batches: Sequence[int], *, runs: int = 50,
+                         out: str | os.PathLike) -> tuple[str, Files]:
+    """Wrap ``moend_fx.kernels.bench_cuda`` (one decode attention call on a CUDA GPU)."""
+    from moend_fx.kernels import bench_cuda
+
+    rows = bench_cuda.bench_triton(tuple(lengths), tuple(batches), runs=runs)
+    md = bench_cuda.to_markdown(rows)
+    out = Path(out)
+    return md, {"json": atomic_write_text(out / "triton.json", json.dumps(rows, indent=1) + "\n"),
+                "markdown": atomic_write_text(out / "triton.md", md)}
+
+
 def _plot_kernels(rows: list[dict], path: Path) -> Path:
 
     import matplotlib

@@ -1,4 +1,4 @@
-"""``moend bench {decode,prefill,eval,solvers,proxy,search,heads,calibrate,kernels,all}``: benchmarks that
+"""``moend bench {decode,prefill,eval,solvers,proxy,search,heads,calibrate,kernels,triton,all}``: benchmarks that
 write JSON + Markdown (+ PNG) under ``--out`` (default ``results/bench``) and update their section of
 ``docs/results.md``.
 
@@ -15,8 +15,8 @@ from typing import Any
 from moend_fx.bench.report import KEYS
 from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, SETTING_TABLES_HINT
 from moend_fx.cli.args import names, positive_int
+from moend_fx.cli.bench_all import cmd_all
 from moend_fx.cli.bench_commands import (
-    cmd_all,
     cmd_calibrate,
     cmd_decode,
     cmd_eval,
@@ -26,6 +26,7 @@ from moend_fx.cli.bench_commands import (
     cmd_proxy,
     cmd_search,
     cmd_solvers,
+    cmd_triton,
     command_line,
 )
 from moend_fx.cli.search import add_measured_args
@@ -83,7 +84,7 @@ def register(subparsers: Any) -> None:
 
     b = subparsers.add_parser("bench",
                               help="benchmarks: decode, prefill, eval, solvers, proxy, search, heads, calibrate, "
-                                   "kernels, all",
+                                   "kernels, triton, all",
                               description="Each benchmark writes JSON + Markdown (+ PNG) under --out and "
                                           "updates its section of docs/results.md.")
     sub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -156,6 +157,12 @@ def register(subparsers: Any) -> None:
     k.add_argument("--lengths", default="2048,8192,32768", help="held tokens (default %(default)s)")
     k.add_argument("--runs", type=positive_int, default=30, help="timed calls per method (median)")
     _common(k, cmd_kernels)
+
+    t = sub.add_parser("triton", help="decode attention on a CUDA GPU: Triton kernel vs fp16 SDPA")
+    t.add_argument("--lengths", default="8192,32768,131072", help="held tokens (default %(default)s)")
+    t.add_argument("--batches", default="1,16", help="batch sizes (default %(default)s)")
+    t.add_argument("--runs", type=positive_int, default=50, help="timed calls per method (median)")
+    _common(t, cmd_triton)
 
     e = sub.add_parser("eval", help="accuracy vs memory: the published configuration by default (about an hour "
                                     "on 2 cores; resumes from --out)")

@@ -9,34 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moend_fx.bench.report import KEYS, render_results, write_section
+from moend_fx.bench.report import render_results, write_section
 from moend_fx.calibration.tables import default_table_path
 from moend_fx.cli.args import csv_list, int_list
 from moend_fx.common.errors import MoendError
 
-# `moend bench all`: extra arguments per benchmark (modest defaults), and with --quick.
-ALL_ARGS: dict[str, list[str]] = {
-    "solvers": ["--trials", "200,2000"],
-    "calibrate": [],
-    "kernels": ["--lengths", "2048,8192,32768", "--runs", "20"],
-    "decode": [],
-    "prefill": [],
-    "eval": [],
-    "proxy": [],
-    "search": [],
-    "heads": [],
-}
-QUICK_ARGS: dict[str, list[str]] = {
-    "solvers": ["--repeats", "5"],
-    "calibrate": ["--tokens", "512"],
-    "kernels": ["--lengths", "2048,8192", "--runs", "5"],
-    "decode": ["--lengths", "512,1024", "--steps", "4", "--warmup", "1", "--methods", "full_eager,moend_eager"],
-    "prefill": ["--length", "1024", "--chunk", "256"],
-    "eval": ["--n", "2", "--lengths", "1024"],
-    "proxy": ["--sequences", "2", "--tokens", "512", "--plans", "6"],
-    "search": ["--budgets", "8x", "--trials", "4", "--tokens", "512", "--sequences", "2", "--check", "1"],
-    "heads": ["--n", "1", "--length", "512", "--budgets", "8x"],
-}
 # --doc and --no-progress change where results are published and what is printed, not the figures.
 _NOT_IN_COMMAND = ("help", "doc", "no_progress")
 
@@ -75,13 +52,13 @@ def _publish(args: argparse.Namespace, key: str, markdown: str, files: dict[str,
     write_section(out, key, command_line(args), markdown, files)
     for kind, path in files.items():
         print(f"{kind}: {path}")
-    doc = _doc_path(args)
+    doc = doc_path(args)
     if doc is not None and not args.in_all:
         print(f"updated {render_results(out, doc)}")
     return 0
 
 
-def _doc_path(args: argparse.Namespace) -> Path | None:
+def doc_path(args: argparse.Namespace) -> Path | None:
     if args.doc == "":
         return None
     doc = Path(args.doc)
@@ -204,6 +181,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return _publish(args, "kernels", md, files)
 
 
+def cmd_triton(args: argparse.Namespace) -> int:
+    from moend_fx.bench.suite import bench_triton_section
+
+    md, files = bench_triton_section(int_list(args.lengths, "--lengths"), int_list(args.batches, "--batches"),
+                                     runs=args.runs, out=Path(args.out) / "triton")
+    return _publish(args, "triton", md, files)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from moend_fx.bench.suite import bench_eval_section
     from moend_fx.eval.config import EvalConfig
@@ -250,37 +235,3 @@ def cmd_search(args: argparse.Namespace) -> int:
     paths = report.write(result["budgets"], result["text"], result["points"], out)
     return _publish(args, "search", report.markdown(result["budgets"], result["text"]),
                     {"json": paths["json"], "markdown": paths["md"], "png": paths["png"]})
-
-
-def cmd_all(args: argparse.Namespace) -> int:
-    from moend_fx.cli import build_parser
-
-    only = csv_list(args.only) if args.only else list(KEYS)
-    skip = set(csv_list(args.skip)) if args.skip else set()
-    bad = [k for k in [*only, *skip] if k not in KEYS]
-    if bad:
-        raise MoendError(f"benchmark {bad[0]!r} is unknown; allowed: {', '.join(KEYS)}")
-    parser = build_parser()
-    failed: list[str] = []
-    for key in [k for k in KEYS if k in only and k not in skip]:
-        argv = ["bench", key, "--out", args.out, "--doc", args.doc, *(QUICK_ARGS if args.quick else ALL_ARGS)[key]]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        if args.no_progress:
-            argv.append("--no-progress")
-        sub = parser.parse_args(argv)
-        sub.in_all = True  # the document is rendered once, after every benchmark
-        print(f"== {command_line(sub)}", flush=True)
-        try:
-            sub.func(sub)
-        except MoendError as e:  # one benchmark's problem must not lose the others' results
-            print(f"moend bench {key}: error: {e}", file=sys.stderr)
-            failed.append(key)
-    doc = _doc_path(args)
-    if doc is not None:
-        print(f"updated {render_results(args.out, doc)}")
-    if failed:
-        print(f"moend: error: benchmark(s) failed: {', '.join(failed)} (the others' results were written)",
-              file=sys.stderr)
-        return 2
-    return 0

@@ -77,11 +77,16 @@ def _load_side(packed, scale, zero, res, bkv, offs_n, offs_d, n_mask, P, R, IN_R
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit, mask_ptr, mrow, HAS_MASK: tl.constexpr):
+def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit, mask_ptr, mrow, HAS_MASK: tl.constexpr,
+                  IEEE: tl.constexpr):
     """One online-softmax step over a block: q [BM, D] (pre-scaled), k/v [BN, D], token ids offs_tok [BN].
 
-    HAS_MASK: the padding mask's byte at mrow [BM] (each row's offset, -1 past the group) + token id hides tokens."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
+    HAS_MASK: the padding mask's byte at mrow [BM] (each row's offset, -1 past the group) + token id hides tokens.
+    IEEE: fp32 dots (the reference's values); else Triton's default (TF32 tensor cores on a GPU, ~1e-3 relative)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
+    else:
+        s = tl.dot(q, tl.trans(k))
     visible = n_mask[None, :] & (offs_tok[None, :] <= limit[:, None])
     if HAS_MASK:
         allowed = tl.load(mask_ptr + mrow[:, None] + offs_tok[None, :], mask=visible & (mrow[:, None] >= 0), other=0)
@@ -93,7 +98,10 @@ def _attend_block(q, m_i, l_i, acc, k, v, offs_tok, n_mask, limit, mask_ptr, mro
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l_i, acc
 
 
@@ -131,7 +139,7 @@ def _packed_decode_kernel(
     H, L, P, R, S, PV, tokens_per_split, num_splits, scale, msb, msh, msl,
     GQ: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, GROUP_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, V_RES: tl.constexpr, HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, V_RES: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
 ):
     # PV: V's packed tokens, P (V split like K, V_RES) or S (V packed on arrival: no V residual)
     # mask_ptr: uint8 padding mask (element strides msb, msh, msl, 1; read only when HAS_MASK)
@@ -159,7 +167,8 @@ def _packed_decode_kernel(
         n_mask = offs_n < end
         k = _load_side(kp, ks, kz, kr, bkv, offs_n, offs_d, n_mask, P, R, False, K_BITS, HEAD_DIM, GROUP, True)
         v = _load_side(vp, vs, vz, vr, bkv, offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM, GROUP_V, False)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit, mask_ptr, mrow, HAS_MASK)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, offs_n, n_mask, limit, mask_ptr, mrow, HAS_MASK,
+                                      IEEE)
 
     if split == num_splits - 1:
         for t0 in range(0, R, BLOCK_N):
@@ -173,7 +182,7 @@ def _packed_decode_kernel(
                 v = _load_side(vp, vs, vz, vr, bkv, P + offs_n, offs_d, n_mask, PV, R, False, V_BITS, HEAD_DIM,
                                GROUP_V, False)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k, v, P + offs_n, n_mask, limit, mask_ptr, mrow,
-                                          HAS_MASK)
+                                          HAS_MASK, IEEE)
 
     # partials: [B*Hkv, splits, rows_padded] and [.., HEAD_DIM]
     n_mblk = tl.num_programs(2)
@@ -231,11 +240,12 @@ def packed_attention_triton(
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
     mask: torch.Tensor | None = None, num_splits: int = 0, block_n: int | None = None, block_m: int | None = None,
+    precise: bool = True,
 ) -> torch.Tensor:
     """Launch the decode kernel. Shapes as in ``ops.packed_attention_op``; returns [B, H, L, D] in q's dtype.
 
     mask: bool [B, 1 or H, L, S] or None (read in place, as bytes); num_splits: token splits (0 =
-    :func:`choose_splits`); block_n: tokens per step (default: G, at least 16).
+    :func:`choose_splits`); block_n: tokens per step (default: G, at least 16); precise: fp32 dots (else TF32).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise MoendError(f"the Triton kernel needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
@@ -275,7 +285,7 @@ def packed_attention_triton(
             h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns, float(scale), *mstrides,
             GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=gv,
             BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1), V_RES=bool(v_res.shape[2]),
-            HAS_MASK=mask is not None,
+            HAS_MASK=mask is not None, IEEE=bool(precise),
         )
     # Merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
     mx = part_m.amax(dim=1, keepdim=True)

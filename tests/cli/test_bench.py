@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from moend_fx.bench.report import KEYS, existing_blocks
 from moend_fx.cli import main
@@ -77,6 +78,18 @@ def test_bench_all_reports_failures_and_continues(tmp_path, capsys, monkeypatch)
     assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["kernels"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_bench_all_skips_the_gpu_benchmark_without_cuda(tmp_path, capsys):
+    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    code = main(["bench", "all", "--only", "triton,solvers", "--quick", "--out", str(out), "--doc", str(doc)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "moend bench triton: skipped (needs a CUDA GPU" in printed
+    blocks = existing_blocks(doc.read_text())
+    assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["triton"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["bench", "decode", "--lengths", "2k", "--doc", ""], ["--lengths='2k'"]),
     (["bench", "decode", "--methods", "fast", "--doc", ""], ["'fast'", "full_eager"]),
@@ -84,6 +97,8 @@ def test_bench_all_reports_failures_and_continues(tmp_path, capsys, monkeypatch)
     (["bench", "decode", "--plan", "/nonexistent.json", "--doc", ""], ["/nonexistent.json"]),
     (["bench", "solvers", "--table", "nope.safetensors", "--doc", ""], ["nope.safetensors"]),
     (["bench", "all", "--only", "speed", "--doc", ""], ["'speed'", "decode"]),
+    pytest.param(["bench", "triton", "--doc", ""], ["CUDA GPU", "moend bench kernels"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")),
 ])
 def test_user_errors_are_one_line(argv, words, capsys):
     code = main(argv)

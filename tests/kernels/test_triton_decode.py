@@ -25,6 +25,8 @@ from tests.kernels.masks import mask_kinds, padding_mask
 
 CHILD = os.environ.get("MOEND_TRITON_CHILD") == "1"
 RUN_HERE = CHILD or torch.cuda.is_available()
+# On a CUDA machine the cases run compiled on the GPU (the reference too), under the interpreter on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 if not RUN_HERE:
 
@@ -45,7 +47,7 @@ def make_case(seed, b, hkv, ratio, n, d, l, kb, vb, g=32):
     k = torch.randn(b, hkv, n, d, generator=gen) * (1 + 3 * torch.rand(d, generator=gen)) + 0.5
     v = torch.randn(b, hkv, n, d, generator=gen)
     q = torch.randn(b, hkv * ratio, l, d, generator=gen)
-    return q, PackedKV.from_dense(k, v, LayerConfig(1.0, kb, vb), g)
+    return q.to(DEVICE), PackedKV.from_dense(k, v, LayerConfig(1.0, kb, vb), g).map(lambda t: t.to(DEVICE))
 
 
 @st.composite
@@ -78,7 +80,7 @@ def test_triton_interpret_with_padding_mask_matches_reference(c, m):
     """The kernel loads the padding mask [B, 1 or H, L, S] per block (ANDed with the causal limit): hidden tokens
     get weight 0, a row that sees nothing gives 0."""
     q, layer = make_case(c["seed"], c["b"], c["hkv"], c["ratio"], c["n"], c["d"], c["l"], c["kb"], c["vb"])
-    mask = padding_mask(m[1], c["b"], q.shape[1], c["l"], c["n"], m[0])
+    mask = padding_mask(m[1], c["b"], q.shape[1], c["l"], c["n"], m[0]).to(DEVICE)
     out = packed_attention(q, layer, kernel="triton", num_splits=c["splits"], mask=mask)
     # as above: identical dequantized values in fp32, only the summation order differs
     torch.testing.assert_close(out, reference_attention(q, layer, mask=mask), atol=1e-5, rtol=1e-4)
@@ -89,7 +91,7 @@ def test_triton_mask_over_splits_and_query_blocks():
     # 24 rows in 2 query blocks, 4 token splits (the first wholly hidden for batch row 0), residual 5, a per-head
     # mask read through a strided slice (the cache's mask[..., :n]) and one row that sees nothing.
     q, layer = make_case(8, 2, 1, 6, 4 * 32 + 5, 16, 4, 4, 8)
-    logical = padding_mask(3, 2, 6, 4, 4 * 32 + 20, "per_head")
+    logical = padding_mask(3, 2, 6, 4, 4 * 32 + 20, "per_head").to(DEVICE)
     logical[0, :, :, :40] = False
     logical[1, 3, 2] = False
     mask = logical[..., : 4 * 32 + 5]
@@ -116,3 +118,16 @@ def test_choose_splits_grows_with_length():
     assert triton_decode.choose_splits(64, 3, 32, cpu) == 1
     assert triton_decode.choose_splits(8192, 1, 32, cpu) == 4
 
+
+
+@in_child_only
+@settings(max_examples=6, deadline=None)
+@given(cases())
+def test_triton_tf32_dots_stay_near_the_reference(c):
+    """precise=False (the benchmark's TF32 variant) leaves the dots at Triton's default precision."""
+    q, layer = make_case(c["seed"], c["b"], c["hkv"], c["ratio"], c["n"], c["d"], c["l"], c["kb"], c["vb"])
+    out = triton_decode.packed_attention_triton(q, *layer_tensors(layer), c["kb"], c["vb"], 32, 0.25, True,
+                                                precise=False)
+    # TF32 keeps 10 mantissa bits (relative 2^-11 per product): logits of up to ~64 products of |q k| <= ~10
+    # move by <= ~0.3 in the worst case, ~1e-2 typically; outputs are averages of |v| <= ~4 (exact when interpreted)
+    torch.testing.assert_close(out, reference_attention(q, layer, scale=0.25), atol=5e-2, rtol=0)
