@@ -38,6 +38,10 @@ def check_choice(name: str, value: Any, allowed: Any, *, error: type[MoendError]
     """``value`` if it is in ``allowed`` (a StrEnum class or a collection of names), else ``error``.
 
     For a StrEnum the member is returned, so callers hold the enum whether they were given a str or a member."""
+    if isinstance(allowed, type) and isinstance(value, allowed):
+        # already a member: returned as is, which is also what dynamo can trace (torch 2.11's cannot build the enum
+        # from a constant inside a compiled decode step: "Unexpected type in sourceless builder")
+        return value
     if isinstance(allowed, type) and isinstance(value, str):
         try:  # the enum's own value lookup: no list of names on hot paths (e.g. every kernel call)
             return allowed(value)

@@ -5,7 +5,7 @@ One program = (batch row x KV head, token split, query block). It loads the quer
 tokens ``BLOCK_N`` at a time, unpacks and dequantizes K and V in registers, and keeps an online softmax
 (running max ``m_i``, running sum ``l_i``, unnormalised ``acc``). The last split also walks the residual
 window (whose V a quantized V holds packed: it is packed on arrival). Splits write (m_i, l_i, acc) partials,
-merged by a log-sum-exp in torch (a few KB).
+which a second kernel merges by a log-sum-exp (:mod:`moend_fx.kernels.triton_merge`).
 
 Specialised by ``tl.constexpr`` on K bits, V bits, head_dim, group size, block sizes and causal; the layer's
 kept length picks the split count (:func:`choose_splits`).
@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 import torch
 import triton
 import triton.language as tl
 
 from moend_fx.common.errors import MoendError
+from moend_fx.kernels.triton_merge import merge_splits
 
 
 @triton.jit
@@ -196,22 +198,10 @@ def _packed_decode_kernel(
 INTERPRETED = not isinstance(_packed_decode_kernel, triton.runtime.jit.JITFunction)
 
 
-@contextlib.contextmanager
-def _interpret_env():
+def _interpret_env() -> contextlib.AbstractContextManager:
     """Keep TRITON_INTERPRET=1 set during an interpreted launch: Triton re-reads it lazily at launch time
-    (its interpreter imports check the knob), not only when the kernel was decorated."""
-    if not INTERPRETED or os.environ.get("TRITON_INTERPRET") == "1":
-        yield
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    (its interpreter imports check the knob), not only when the kernel was decorated. Restored afterwards."""
+    return mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}) if INTERPRETED else contextlib.nullcontext()
 
 
 def choose_splits(tokens: int, units: int, block_n: int, device: torch.device) -> int:
@@ -235,17 +225,36 @@ def _mask_arg(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return mask.view(torch.uint8), (mask.stride(0), msh, mask.stride(2))
 
 
+# Token block of a long layer (>= 4 blocks): on an H200 (docs/results.md), 128 tokens a step ran 3-5x faster than 32.
+LONG_BLOCK_N = 128
+
+
+def _launch_shape(p: int, units_per_block: int, rows: int, group_size: int, block_n: int | None,
+                  block_m: int | None, num_splits: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(block_n, block_m, query blocks, splits, tokens per split) for P packed tokens and ``rows`` query rows per KV
+    head (``units_per_block``: batch rows x KV heads)."""
+    block_n = block_n or (LONG_BLOCK_N if p >= 4 * LONG_BLOCK_N else max(16, min(group_size, 64)))
+    block_m = block_m or max(16, min(64, triton.next_power_of_2(rows)))
+    n_mblk = -(-rows // block_m)
+    ns = num_splits or choose_splits(p, units_per_block * n_mblk, block_n, device)
+    per_split = -(-max(p, 1) // ns)
+    per_split = -(-per_split // block_n) * block_n  # whole blocks, so splits start on a block boundary
+    return block_n, block_m, n_mblk, max(1, -(-p // per_split)), per_split
+
+
 def packed_attention_triton(
     q: torch.Tensor, k_packed: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_packed: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_res: torch.Tensor,
     v_res: torch.Tensor, k_bits: int, v_bits: int, group_size: int, scale: float, causal: bool,
     mask: torch.Tensor | None = None, num_splits: int = 0, block_n: int | None = None, block_m: int | None = None,
-    precise: bool = True,
+    precise: bool = False,
 ) -> torch.Tensor:
     """Launch the decode kernel. Shapes as in ``ops.packed_attention_op``; returns [B, H, L, D] in q's dtype.
 
     mask: bool [B, 1 or H, L, S] or None (read in place, as bytes); num_splits: token splits (0 =
-    :func:`choose_splits`); block_n: tokens per step (default: G, at least 16); precise: fp32 dots (else TF32).
+    :func:`choose_splits`); block_n: tokens per step (default: 128 on a long layer, else G, at least 16);
+    precise: fp32 dots (the reference's values: the tests); default Triton's, TF32 on a GPU (~1e-3 relative per
+    logit, far below the 2-8-bit quantization error; exact under the interpreter).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise MoendError(f"the Triton kernel needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
@@ -256,22 +265,13 @@ def packed_attention_triton(
     gq = h // hkv
     if d & (d - 1) or d < 16:
         raise MoendError(f"the Triton kernel needs a power-of-two head_dim >= 16; got {d} (use kernel='reference')")
-    gv = min(group_size, d)
-    block_n = block_n or max(16, min(group_size, 64))
     rows = gq * l
-    block_m = block_m or max(16, min(64, triton.next_power_of_2(rows)))
-    n_mblk = -(-rows // block_m)
-    units = b * hkv * n_mblk
-    ns = num_splits or choose_splits(p, units, block_n, q.device)
-    per_split = -(-max(p, 1) // ns)
-    per_split = -(-per_split // block_n) * block_n  # whole blocks, so splits start on a block boundary
-    ns = max(1, -(-p // per_split))
-    dev = q.device
-    part_m = torch.empty(b * hkv, ns, n_mblk * block_m, device=dev, dtype=torch.float32)
+    block_n, block_m, n_mblk, ns, per_split = _launch_shape(p, b * hkv, rows, group_size, block_n, block_m,
+                                                            num_splits, q.device)
+    part_m = torch.empty(b * hkv, ns, n_mblk * block_m, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(b * hkv, ns, n_mblk * block_m, d, device=dev, dtype=torch.float32)
-    # Raw (16-bit) blocks and empty scale tensors still need a valid pointer.
-    dummy = torch.zeros(1, device=dev, dtype=torch.float16)
+    part_acc = torch.empty(b * hkv, ns, n_mblk * block_m, d, device=q.device, dtype=torch.float32)
+    dummy = torch.zeros(1, device=q.device, dtype=torch.float16)  # a valid pointer for empty tensors (raw sides)
 
     def ptr(t):
         return t.contiguous() if t.numel() else dummy
@@ -283,15 +283,9 @@ def packed_attention_triton(
             q.contiguous(), ptr(k_packed), ptr(k_scale), ptr(k_zero), ptr(v_packed), ptr(v_scale), ptr(v_zero),
             ptr(k_res), ptr(v_res.to(k_res.dtype)), mask_bytes, part_m, part_l, part_acc,
             h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns, float(scale), *mstrides,
-            GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=gv,
+            GQ=gq, K_BITS=k_bits, V_BITS=v_bits, HEAD_DIM=d, GROUP=group_size, GROUP_V=min(group_size, d),
             BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal and l > 1), V_RES=bool(v_res.shape[2]),
             HAS_MASK=mask is not None, IEEE=bool(precise),
         )
-    # Merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-    mx = part_m.amax(dim=1, keepdim=True)
-    w = torch.exp(part_m - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx))
-    den = (w * part_l).sum(dim=1)
-    num = (w.unsqueeze(-1) * part_acc).sum(dim=1)
-    out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
-    out = out.view(b, hkv, n_mblk * block_m, d)[:, :, :rows]
-    return out.reshape(b, hkv, gq, l, d).reshape(b, h, l, d).to(q.dtype)
+        # rows of KV head bkv's group are (query head, query) in order: [B*Hkv, GQ*L, D] is [B, H, L, D]
+        return merge_splits(part_m, part_l, part_acc, rows, block_m, q.dtype).view(b, h, l, d)
