@@ -186,6 +186,9 @@ def register(subparsers: Any) -> None:
     x.add_argument("--tokens", type=positive_int, default=proxy.tokens,
                    help="context tokens each (default %(default)s)")
     x.add_argument("--plans", type=positive_int, default=proxy.random_plans, help="random plans (default %(default)s)")
+    x.add_argument("--tail", type=int, default=proxy.tail,
+                   help="end each held-out sequence with a retrieval tail of this many tokens inside the measured "
+                        f"continuation ({proxy.continuation}), as calibration v4 does; 0 = plain text (default)")
     _common(x, cmd_proxy)
 
     from moend_fx.search import SearchSettings

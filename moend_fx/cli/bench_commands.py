@@ -207,7 +207,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from moend_fx.eval.proxy import ProxySettings
 
     _threads(args)
-    settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, random_plans=args.plans)
+    settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, random_plans=args.plans, tail=args.tail)
     md, files = bench_proxy_section(args.model, _cached_table(args), settings, out=Path(args.out) / "proxy",
                                     progress=not args.no_progress)
     return _publish(args, "proxy", md, files)

@@ -37,7 +37,7 @@ from moend_fx.calibration.data import token_sequences
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_TOKENS
-from moend_fx.common.errors import BudgetError
+from moend_fx.common.errors import BudgetError, MoendError
 from moend_fx.eval.proxy_report import markdown_report, write_report
 from moend_fx.plan.memory import full_cache_bytes, plan_bytes
 from moend_fx.plan.routing import LayerConfig, RoutingPlan
@@ -72,12 +72,18 @@ class ProxySettings:
     solver: str = "greedy"
     plan_seed: int = 0
     window: int = 64
+    # > 0: each held-out sequence's last ``tail`` tokens (inside the continuation) are a retrieval tail, questions
+    # with answers about its earlier records, as calibration v4 ends its sequences: the KL then measures retrieval
+    tail: int = 0
 
     def __post_init__(self) -> None:
         for name in ("sequences", "tokens", "continuation", "window"):
             check_int(name, getattr(self, name))
-        for name in ("seed", "random_plans", "plan_seed"):
+        for name in ("seed", "random_plans", "plan_seed", "tail"):
             check_int(name, getattr(self, name), minimum=0)
+        if self.tail > self.continuation:
+            raise MoendError(f"tail={self.tail} is invalid; allowed: 0 to continuation={self.continuation} (the "
+                             "retrieval tail is part of the measured continuation)")
         object.__setattr__(self, "budgets", tuple(self.budgets))
 
 
@@ -177,7 +183,7 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
     t0 = time.perf_counter()
     T, M = settings.tokens, settings.continuation
     ids, source = token_sequences(model, tokenizer, settings.sequences, T + M, seed=settings.seed,
-                                  split="heldout")
+                                  split="heldout", tail=settings.tail)
     plans = [(n, "random", p) for n, p in random_plans(table, settings.random_plans, settings.plan_seed)]
     plans += [(n, "solver", p) for n, p in solver_plans(table, settings.budgets, settings.solver, T)]
     full16 = full_cache_bytes(table.fingerprint, T)

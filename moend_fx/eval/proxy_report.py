@@ -28,7 +28,8 @@ def markdown_report(result: dict[str, Any]) -> str:
         f"# Proxy validation: predicted loss ({result.get('predictor', 'sum of S')}) vs end-to-end KL",
         "",
         f"Held-out: {s['sequences']} sequences x {s['tokens']} context tokens + {s['continuation']} "
-        f"teacher-forced continuation tokens (split `heldout`, seed {s['seed']}); "
+        f"teacher-forced continuation tokens (split `heldout`, seed {s['seed']}"
+        + (f"; the last {s['tail']} a retrieval tail" if s.get("tail") else "") + "); "
         f"{s['random_plans']} random plans + `{s['solver']}` plans at budgets {', '.join(s['budgets'])} "
         "(ratios vs a 16-bit cache).",
         "",

@@ -131,10 +131,20 @@ def available() -> bool:
         except Exception as e:  # compiler missing, build error, load error: all mean "use the reference"
             ok, err = False, f"{type(e).__name__}: {e}"
         if not ok:
-            warnings.warn(f"moend_fx: the fused CPU attention kernel is unavailable ({str(err)[:500]}); "
-                          "using the slower reference attention instead", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"moend_fx: the fused CPU attention kernel is unavailable ({error_summary(str(err))}); "
+                          "using the slower reference attention instead (the whole message: "
+                          "moend_fx.kernels.cpu.build_error())", RuntimeWarning, stacklevel=2)
         _state.update(tried=True, ok=ok, error=err)
         return ok
+
+
+def error_summary(err: str, limit: int = 500) -> str:
+    """The part of a build error that says what went wrong: the compiler's ``error:`` lines (torch's message
+    starts with the whole compile command, which filled the old 500-character cut: seen on a GPU machine), else
+    the message's end."""
+    errors = [ln.strip() for ln in err.splitlines() if "error:" in ln and not ln.lstrip().startswith("[")]
+    text = " | ".join(errors[:3]) if errors else err.strip()
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def build_error() -> str | None:

@@ -145,9 +145,28 @@ def test_correlations():
     assert math.isnan(correlations([1, 1, 1], [1, 2, 3])["pearson"])
 
 
+def test_a_retrieval_tail_is_asked_of_the_held_out_text(model, table, monkeypatch):
+    import moend_fx.eval.proxy as proxy
+
+    asked = {}
+    real = proxy.token_sequences
+
+    def spy(*args, **kw):
+        asked.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(proxy, "token_sequences", spy)
+    res = validate_proxy(model, None, table, ProxySettings(sequences=1, tokens=96, continuation=16, tail=16,
+                                                           random_plans=2, budgets=("2x",), window=16))
+    assert asked["tail"] == 16 and asked["split"] == "heldout"
+    assert res["settings"]["tail"] == 16 and "the last 16 a retrieval tail" in markdown_report(res)
+
+
 def test_bad_input(model, table):
     with pytest.raises(MoendError, match="sequences=0"):
         ProxySettings(sequences=0)
+    with pytest.raises(MoendError, match="tail=65 is invalid; allowed: 0 to continuation=64"):
+        ProxySettings(tail=65)
     other = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
     with pytest.raises(TableError, match="num_layers"):
         validate_proxy(other, None, table, ProxySettings(sequences=1, tokens=64))

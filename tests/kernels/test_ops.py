@@ -219,6 +219,16 @@ def test_failing_build_falls_back_to_reference(monkeypatch):
         cpu._reset()  # the next call (monkeypatch undone) loads the cached build again
 
 
+def test_build_error_summary_shows_the_compiler_error_not_the_command():
+    # torch's message: the ninja command lines (thousands of characters of flags), then the compiler's output
+    command = "[1/2] /usr/bin/g++ -MMD " + " ".join(f"-isystem /include/{i}" for i in range(200))
+    err = (f"RuntimeError: Error building extension 'moend_attn_x': {command}\n"
+           "moend_attn.cpp:3:10: fatal error: Python.h: No such file or directory\ncompilation terminated.\n")
+    assert cpu.error_summary(err) == "moend_attn.cpp:3:10: fatal error: Python.h: No such file or directory"
+    tail = cpu.error_summary("x" * 900 + " the end")  # no error: line: the end of the message, within the limit
+    assert tail.endswith(" the end") and len(tail) == 503
+
+
 def test_fake_impl_and_opcheck():
     layer = make_layer(2, 1, 2, 70, 32, 4, 8)
     q = torch.randn(1, 4, 1, 32)

@@ -63,8 +63,8 @@ def cases(draw):
     r = draw(st.integers(0, g - 1))
     l = draw(st.sampled_from([1, 3]))
     return dict(kb=draw(st.sampled_from([2, 4, 8, 16])), vb=draw(st.sampled_from([2, 4, 8, 16])),
-                d=draw(st.sampled_from([16, 32, 64])), n=max(p + r, l), l=l, hkv=draw(st.sampled_from([1, 2])),
-                ratio=draw(st.sampled_from([1, 3])), b=draw(st.sampled_from([1, 2])),
+                d=draw(st.sampled_from([16, 32, 64, 128])), n=max(p + r, l), l=l, hkv=draw(st.sampled_from([1, 2])),
+                ratio=draw(st.sampled_from([1, 3, 7])), b=draw(st.sampled_from([1, 2])),
                 splits=draw(st.sampled_from([0, 2])), seed=draw(st.integers(0, 99)))
 
 
