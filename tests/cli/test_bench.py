@@ -67,26 +67,26 @@ def test_bench_all_reports_failures_and_continues(tmp_path, capsys, monkeypatch)
         raise MoendError("kernel benchmark unavailable here")
 
     monkeypatch.setattr(suite, "bench_kernels_section", boom)
+    code, printed, blocks = quick_all(tmp_path, capsys, "kernels,solvers")
+    assert code == 2
+    assert "moend bench kernels: error: kernel benchmark unavailable here" in printed.err
+    assert "benchmark(s) failed: kernels" in printed.err
+    assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["kernels"]
+
+
+def quick_all(tmp_path, capsys, only):
+    """``moend bench all --quick --only ONLY`` into tmp_path: (exit code, captured output, the document's blocks)."""
     out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
     doc.parent.mkdir()
-    code = main(["bench", "all", "--only", "kernels,solvers", "--quick", "--out", str(out), "--doc", str(doc)])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "moend bench kernels: error: kernel benchmark unavailable here" in err
-    assert "benchmark(s) failed: kernels" in err
-    blocks = existing_blocks(doc.read_text())
-    assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["kernels"]
+    code = main(["bench", "all", "--only", only, "--quick", "--out", str(out), "--doc", str(doc)])
+    return code, capsys.readouterr(), existing_blocks(doc.read_text())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_bench_all_skips_the_gpu_benchmark_without_cuda(tmp_path, capsys):
-    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
-    doc.parent.mkdir()
-    code = main(["bench", "all", "--only", "triton,solvers", "--quick", "--out", str(out), "--doc", str(doc)])
-    printed = capsys.readouterr().out
+    code, printed, blocks = quick_all(tmp_path, capsys, "triton,solvers")
     assert code == 0
-    assert "moend bench triton: skipped (needs a CUDA GPU" in printed
-    blocks = existing_blocks(doc.read_text())
+    assert "moend bench triton: skipped (needs a CUDA GPU" in printed.out
     assert "greedy median" in blocks["solvers"] and "Not run yet" in blocks["triton"]
 
 
