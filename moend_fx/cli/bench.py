@@ -188,7 +188,8 @@ def register(subparsers: Any) -> None:
     x.add_argument("--plans", type=positive_int, default=proxy.random_plans, help="random plans (default %(default)s)")
     x.add_argument("--tail", type=int, default=proxy.tail,
                    help="end each held-out sequence with a retrieval tail of this many tokens inside the measured "
-                        f"continuation ({proxy.continuation}), as calibration v4 does; 0 = plain text (default)")
+                        f"continuation ({proxy.continuation}); default: as the table's calibration text ended (64 "
+                        "for the v4 default tables), 0 = plain text")
     _common(x, cmd_proxy)
 
     from moend_fx.search import SearchSettings

@@ -55,7 +55,7 @@ PAPER_CORRELATION = {"pearson": 0.945, "spearman": 0.937}
 # markdown_report and write_report (moend_fx.eval.proxy_report) are part of this module's API.
 __all__ = ["DEFAULT_BUDGETS", "PAPER_CORRELATION", "PAPER_SPREAD", "PlanResult", "ProxySettings",
            "correlations", "markdown_report", "random_plans",
-           "predictor", "solver_plans", "spread_rows", "validate_proxy", "write_report"]
+           "heldout_tail", "predictor", "solver_plans", "spread_rows", "validate_proxy", "write_report"]
 DEFAULT_BUDGETS: tuple[str, ...] = ("1.5x", "2x", "3x", "4x", "6x", "8x", "12x", "16x")
 
 
@@ -73,14 +73,18 @@ class ProxySettings:
     plan_seed: int = 0
     window: int = 64
     # > 0: each held-out sequence's last ``tail`` tokens (inside the continuation) are a retrieval tail, questions
-    # with answers about its earlier records, as calibration v4 ends its sequences: the KL then measures retrieval
-    tail: int = 0
+    # with answers about its earlier records, as calibration v4 ends its sequences: the KL then measures retrieval.
+    # None: the table's own calibration text decides (:func:`heldout_tail`), so the check is like for like.
+    tail: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("sequences", "tokens", "continuation", "window"):
             check_int(name, getattr(self, name))
-        for name in ("seed", "random_plans", "plan_seed", "tail"):
+        for name in ("seed", "random_plans", "plan_seed"):
             check_int(name, getattr(self, name), minimum=0)
+        if self.tail is None:
+            return
+        check_int("tail", self.tail, minimum=0)
         if self.tail > self.continuation:
             raise MoendError(f"tail={self.tail} is invalid; allowed: 0 to continuation={self.continuation} (the "
                              "retrieval tail is part of the measured continuation)")
@@ -175,6 +179,17 @@ def spread_rows(table: SensitivityTable) -> list[dict[str, Any]]:
     return rows
 
 
+def heldout_tail(table: SensitivityTable, settings: ProxySettings) -> int:
+    """Retrieval-tail tokens at the end of each held-out sequence: ``settings.tail``, else those the table's
+    calibration sequences ended with (calibration v4: the query window, 64; none for a plain-text table), at most
+    the measured continuation."""
+    if settings.tail is not None:
+        return settings.tail
+    source = table.calibration.get("source") or {}
+    tail = int(source.get("retrieval_tail_tokens") or 0) if source.get("sequences_with_tail") else 0
+    return min(tail, settings.continuation)
+
+
 def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
                    settings: ProxySettings | None = None, *, progress: bool = False) -> dict[str, Any]:
     """Run the validation; returns a JSON-ready dict (see :func:`write_report`)."""
@@ -182,8 +197,9 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
     table.check_model(model)
     t0 = time.perf_counter()
     T, M = settings.tokens, settings.continuation
+    tail = heldout_tail(table, settings)
     ids, source = token_sequences(model, tokenizer, settings.sequences, T + M, seed=settings.seed,
-                                  split="heldout", tail=settings.tail)
+                                  split="heldout", tail=tail)
     plans = [(n, "random", p) for n, p in random_plans(table, settings.random_plans, settings.plan_seed)]
     plans += [(n, "solver", p) for n, p in solver_plans(table, settings.budgets, settings.solver, T)]
     full16 = full_cache_bytes(table.fingerprint, T)
@@ -212,7 +228,7 @@ def validate_proxy(model: Any, tokenizer: Any | None, table: SensitivityTable,
     sol = [r for r in results if r.kind == "solver"]
     rnd = [r for r in results if r.kind == "random"]
     return {
-        "settings": {**asdict(settings), "budgets": list(settings.budgets)},
+        "settings": {**asdict(settings), "budgets": list(settings.budgets), "tail": tail},
         "heldout_source": source,
         "predictor": predictor(table),
         "table": {"calibration": table.calibration, "model": table.fingerprint.to_dict(),

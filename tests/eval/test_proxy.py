@@ -162,6 +162,20 @@ def test_a_retrieval_tail_is_asked_of_the_held_out_text(model, table, monkeypatc
     assert res["settings"]["tail"] == 16 and "the last 16 a retrieval tail" in markdown_report(res)
 
 
+def test_the_held_out_tail_follows_the_tables_calibration_text():
+    from types import SimpleNamespace
+
+    from moend_fx.eval.proxy import heldout_tail
+
+    v4 = SimpleNamespace(calibration={"source": {"retrieval_tail_tokens": 64, "sequences_with_tail": 2}})
+    plain = SimpleNamespace(calibration={"source": {"retrieval_tail_tokens": 0, "sequences_with_tail": 0}})
+    assert heldout_tail(v4, ProxySettings()) == 64  # like for like: the table was calibrated on retrieval tails
+    assert heldout_tail(plain, ProxySettings()) == 0
+    assert heldout_tail(SimpleNamespace(calibration={}), ProxySettings()) == 0  # a table from before v4
+    assert heldout_tail(v4, ProxySettings(tail=0)) == 0  # an explicit choice wins
+    assert heldout_tail(v4, ProxySettings(continuation=32)) == 32  # inside the measured continuation
+
+
 def test_bad_input(model, table):
     with pytest.raises(MoendError, match="sequences=0"):
         ProxySettings(sequences=0)
