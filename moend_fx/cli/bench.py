@@ -29,6 +29,7 @@ from moend_fx.cli.bench_commands import (
     cmd_triton,
     command_line,
 )
+from moend_fx.cli.calibrate import add_tail_option
 from moend_fx.cli.search import add_measured_args
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
 from moend_fx.common.options import InnerCompiler, Kernel
@@ -186,10 +187,7 @@ def register(subparsers: Any) -> None:
     x.add_argument("--tokens", type=positive_int, default=proxy.tokens,
                    help="context tokens each (default %(default)s)")
     x.add_argument("--plans", type=positive_int, default=proxy.random_plans, help="random plans (default %(default)s)")
-    x.add_argument("--tail", type=int, default=proxy.tail,
-                   help="end each held-out sequence with a retrieval tail of this many tokens inside the measured "
-                        f"continuation ({proxy.continuation}); default: as the table's calibration text ended (64 "
-                        "for the v4 default tables), 0 = plain text")
+    add_tail_option(x, proxy)
     _common(x, cmd_proxy)
 
     from moend_fx.search import SearchSettings

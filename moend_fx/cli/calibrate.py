@@ -148,6 +148,14 @@ def cmd_show_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_tail_option(parser: Any, proxy: Any) -> None:
+    """``--tail`` of the proxy check (``proxy``: the default ProxySettings), shared by validate-proxy and bench."""
+    parser.add_argument("--tail", type=int, default=proxy.tail,
+                        help="end each held-out sequence with a retrieval tail of this many tokens inside the "
+                             f"measured continuation ({proxy.continuation}); default: as the table's calibration "
+                             "text ended (64 for the v4 default tables); 0 = plain text")
+
+
 def cmd_validate_proxy(args: argparse.Namespace) -> int:
     import torch
 
@@ -160,7 +168,7 @@ def cmd_validate_proxy(args: argparse.Namespace) -> int:
     budgets = tuple(csv_list(args.budgets))
     settings = ProxySettings(sequences=args.sequences, tokens=args.tokens, continuation=args.continuation,
                              seed=args.seed, random_plans=args.plans, budgets=budgets, solver=args.solver,
-                             plan_seed=args.plan_seed, window=args.window)
+                             plan_seed=args.plan_seed, window=args.window, tail=args.tail)
     model, tok = load_model(args.model)
     result = validate_proxy(model, tok, table, settings, progress=not args.quiet)
     j, m = write_report(result, args.out)
@@ -228,6 +236,7 @@ def register(subparsers: Any) -> None:
     v.add_argument("--plan-seed", type=int, default=proxy.plan_seed,
                    help="random plans' seed (another seed: an independent set of plans)")
     v.add_argument("--window", type=positive_int, default=proxy.window)
+    add_tail_option(v, proxy)
     v.add_argument("--threads", type=int, default=0)
     v.add_argument("--out", required=True, help="output folder")
     v.add_argument("--quiet", action="store_true")
