@@ -7,7 +7,9 @@ q: [B, 9, 1, 64] fp16 over 3 KV heads (SmolLM2's shapes) at several held lengths
 * ``triton_k{b}v{b}``: the op's CUDA path (the decode kernel and the kernel that merges its splits) as the op runs
   it: TF32 dots, 128-token blocks on a long layer,
 * ``triton_k4v4_fp32``: the same with fp32 dots (``precise=True``, the reference's values),
-* ``triton_k4v4_bn32``: the same with one quantization group (32 tokens) a step.
+* ``triton_k4v4_bn32``: the same with one quantization group (32 tokens) a step,
+* ``dequant_sdpa_k4v4``: dequantize the layer to fp16 with torch ops, then the same SDPA (the unfused path: it
+  writes and reads 16-bit K/V again, but each step runs at the device's bandwidth).
 
 Every method gets copies of its inputs, used in rotation, whose bytes together exceed the L2 cache several times,
 so each call reads K/V from HBM (as a decode step does: the cache is read once per step). Each call is timed with
@@ -82,6 +84,13 @@ def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedK
         return lambda i: packed_attention_triton(q, *layer_tensors(layers[b][i]), cfg.k_bits, cfg.v_bits,
                                                  GROUP_SIZE, scale, True, **kw)
 
+    def dequant_sdpa(b: int) -> Callable[[int], torch.Tensor]:
+        def run(i: int) -> torch.Tensor:
+            k, v = layers[b][i].dequantize(torch.float16)
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+        return run
+
     def ref(b: int) -> Callable[[], torch.Tensor]:
         return lambda: reference_attention(q.float(), layers[b][0], scale=scale)
 
@@ -92,7 +101,8 @@ def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedK
     if 4 in bits:
         nb = layers[4][0].nbytes()
         out += [("triton_k4v4_fp32", nb, triton(4, precise=True), ref(4)),
-                ("triton_k4v4_bn32", nb, triton(4, block_n=32), ref(4))]
+                ("triton_k4v4_bn32", nb, triton(4, block_n=32), ref(4)),
+                ("dequant_sdpa_k4v4", nb, dequant_sdpa(4), ref(4))]
     return out
 
 
