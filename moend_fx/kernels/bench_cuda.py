@@ -8,8 +8,8 @@ q: [B, 9, 1, 64] fp16 over 3 KV heads (SmolLM2's shapes) at several held lengths
   it: TF32 dots, 128-token blocks on a long layer,
 * ``triton_k4v4_fp32``: the same with fp32 dots (``precise=True``, the reference's values),
 * ``triton_k4v4_bn32``: the same with one quantization group (32 tokens) a step,
-* ``dequant_sdpa_k4v4``: dequantize the layer to fp16 with torch ops, then the same SDPA (the unfused path: it
-  writes and reads 16-bit K/V again, but each step runs at the device's bandwidth).
+* ``dequant_sdpa_k4v4``: dequantize the layer to fp16 with torch ops, then the same SDPA (the unfused path, which
+  writes and reads 16-bit K/V again).
 
 Every method gets copies of its inputs, used in rotation, whose bytes together exceed the L2 cache several times,
 so each call reads K/V from HBM (as a decode step does: the cache is read once per step). Each call is timed with
