@@ -82,12 +82,11 @@ class ProxySettings:
             check_int(name, getattr(self, name))
         for name in ("seed", "random_plans", "plan_seed"):
             check_int(name, getattr(self, name), minimum=0)
-        if self.tail is None:
-            return
-        check_int("tail", self.tail, minimum=0)
-        if self.tail > self.continuation:
-            raise MoendError(f"tail={self.tail} is invalid; allowed: 0 to continuation={self.continuation} (the "
-                             "retrieval tail is part of the measured continuation)")
+        if self.tail is not None:
+            check_int("tail", self.tail, minimum=0)
+            if self.tail > self.continuation:
+                raise MoendError(f"tail={self.tail} is invalid; allowed: 0 to continuation={self.continuation} "
+                                 "(the retrieval tail is part of the measured continuation)")
         object.__setattr__(self, "budgets", tuple(self.budgets))
 
 

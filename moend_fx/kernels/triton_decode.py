@@ -225,7 +225,8 @@ def _mask_arg(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return mask.view(torch.uint8), (mask.stride(0), msh, mask.stride(2))
 
 
-# Token block of a long layer (>= 4 blocks): on an H200 (docs/results.md), 128 tokens a step ran 3-5x faster than 32.
+# Token block of a long layer (>= 4 blocks): on an H200 with TF32 dots (docs/results.md) 128 tokens a step ran
+# 1.6-2.9x faster than 32 in 5 of 6 cases; at batch 1, 8k it was slower (0.29 vs 0.15 ms).
 LONG_BLOCK_N = 128
 
 

@@ -181,6 +181,7 @@ def test_bad_input(model, table):
         ProxySettings(sequences=0)
     with pytest.raises(MoendError, match="tail=65 is invalid; allowed: 0 to continuation=64"):
         ProxySettings(tail=65)
+    assert ProxySettings(budgets=["2x", "4x"]).budgets == ("2x", "4x")  # with the default tail too
     other = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
     with pytest.raises(TableError, match="num_layers"):
         validate_proxy(other, None, table, ProxySettings(sequences=1, tokens=64))
