@@ -80,9 +80,7 @@ def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedK
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def triton(b: int, **kw) -> Callable[[int], torch.Tensor]:
-        cfg = LayerConfig(1.0, b, b)
-        return lambda i: packed_attention_triton(q, *layer_tensors(layers[b][i]), cfg.k_bits, cfg.v_bits,
-                                                 GROUP_SIZE, scale, True, **kw)
+        return lambda i: packed_attention_triton(q, *layer_tensors(layers[b][i]), b, b, GROUP_SIZE, scale, True, **kw)
 
     def dequant_sdpa(b: int) -> Callable[[int], torch.Tensor]:
         def run(i: int) -> torch.Tensor:
