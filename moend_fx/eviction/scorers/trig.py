@@ -56,6 +56,13 @@ class TrigScorer(Scorer):
     z-scored over the tokens of each (row, KV head). The frequency score alone favours tokens that suit
     an average future query; the norm term keeps content tokens (numbers, names) it undervalues.
 
+    Value norm (``value_weight``, default 1): then the standardised ``||v||`` is added to the standardised sum
+    (a token's share of the output is its attention times its value, the observation of value-aware pruning):
+    a key that draws average attention but carries a large value moves the output more than its score says.
+    Measured (SmolLM2-135M, query-agnostic niah_single at 14x, the greedy plan fixed, 30 examples each,
+    ``examples/plan_ablation.py``): 70.0% -> 93.3% at 2k and 73.3% -> 96.7% at 4k, 7 examples better and
+    none worse at each length; weight 0.5: 80.0% at 2k, weight 2: 93.3% at 4k.
+
     Pooling (default: max over ``kernel_size`` = 9 stored neighbours, as SnapKV pools its attention): a
     retrieved fact is a span ("The pass key is 72207."), and a per-token score keeps some of its tokens and
     drops others; max-pooling keeps the neighbours of every high-scoring token.
@@ -78,12 +85,14 @@ class TrigScorer(Scorer):
     pooling: Pooling = Pooling.MAX
     kernel_size: int = 9
     norm_weight: float = 1.0
+    value_weight: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pooling", check_pooling(self.name, self.pooling, self.kernel_size))
-        if isinstance(self.norm_weight, bool) or not isinstance(self.norm_weight, (int, float)) or not (
-                math.isfinite(self.norm_weight) and self.norm_weight >= 0):
-            raise MoendError(f"trig norm_weight={self.norm_weight!r}; must be a finite number >= 0")
+        for name in ("norm_weight", "value_weight"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+                raise MoendError(f"trig {name}={w!r}; must be a finite number >= 0")
         if not isinstance(self.rope, RopeSpec):
             raise MoendError(
                 "the trig scorer needs rope=RopeSpec: use moend_fx.prepare(model, plan), or pass "
@@ -194,4 +203,6 @@ class TrigScorer(Scorer):
         score = (coherent + magnitude).float()  # [B, Hkv, T]
         if self.norm_weight:
             score = standardise(score) + self.norm_weight * standardise(-k.norm(dim=-1))
+        if self.value_weight:
+            score = standardise(score) + self.value_weight * standardise(values.float().norm(dim=-1))
         return pool_scores(score, self.kernel_size, self.pooling)

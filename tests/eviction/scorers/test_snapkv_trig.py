@@ -86,5 +86,7 @@ def test_it_reads_queries_only_while_the_prompt_is_compressed():
 def test_options_and_missing_inputs_are_named():
     with pytest.raises(MoendError, match="trig_weight=-1.*>= 0"):
         get_scorer("snapkv_trig", trig_weight=-1)
+    with pytest.raises(MoendError, match="value_weight=-1.*>= 0"):
+        get_scorer("snapkv_trig", value_weight=-1)
     with pytest.raises(MoendError, match="needs the prompt's queries or calibrated stats"):
         get_scorer("snapkv_trig").score(randn(0, 1, 1, 6, 8), randn(1, 1, 1, 6, 8), key_positions=torch.arange(6))

@@ -43,7 +43,7 @@ def test_trig_matches_brute_force(seed, b, hkv, group, t, half, scaling, max_off
     keys = apply_rope(randn(seed, b, hkv, t, d, dtype=torch.float64), kp, spec).float()
     stats = QueryStats.empty(h, d).accumulate(randn(seed + 1, 2, h, 9, d) + randn(seed + 2, 1, h, 1, d))
     scorer = get_scorer("trig", rope=spec, stats=stats, max_offset=max_offset, pooling="none",
-                        norm_weight=0.0)
+                        norm_weight=0.0, value_weight=0.0)
     got = scorer.score(keys, keys, key_positions=kp)
     t_now = kp.reshape(b, -1).amax(1) + 1
     ref = trig_brute(keys, kp, stats.mean, stats.abs_mean, spec, scorer.offsets, t_now)
@@ -60,24 +60,44 @@ def test_trig_matches_brute_force(seed, b, hkv, group, t, half, scaling, max_off
 
 @FAST
 @given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 40), kernel=st.sampled_from([1, 3, 5, 9]))
-def test_trig_is_standardised_with_the_norm_term_then_max_pooled(seed, t, kernel):
-    """The default trig score is the z-scored plain score plus the z-scored -||k||, max-pooled over
-    ``kernel_size`` stored neighbours (a window cut at the ends)."""
+def test_trig_is_standardised_with_the_norm_and_value_terms_then_max_pooled(seed, t, kernel):
+    """The default trig score is z(z(plain score) + z(-||k||)) + z(||v||), max-pooled over ``kernel_size``
+    stored neighbours (a window cut at the ends)."""
     d, hkv, group = 16, 2, 2
     spec = RopeSpec.default(d)
     kp = positions(seed, 1, hkv, t)
-    keys = randn(seed, 1, hkv, t, d)
+    keys, values = randn(seed, 1, hkv, t, d), randn(seed + 3, 1, hkv, t, d) * 2.0
     stats = QueryStats.empty(hkv * group, d).accumulate(randn(seed + 1, 2, hkv * group, 5, d))
-    raw = get_scorer("trig", rope=spec, stats=stats, pooling="none").score(keys, keys, key_positions=kp)
-    plain = get_scorer("trig", rope=spec, stats=stats, pooling="none", norm_weight=0.0)
-    trig = plain.score(keys, keys, key_positions=kp)
+    raw = get_scorer("trig", rope=spec, stats=stats, pooling="none").score(keys, values, key_positions=kp)
+    plain = get_scorer("trig", rope=spec, stats=stats, pooling="none", norm_weight=0.0, value_weight=0.0)
+    trig = plain.score(keys, values, key_positions=kp)
     z = lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True, correction=0).clamp_min(1e-12)  # noqa: E731
-    # default norm_weight 1: standardised trig + standardised -||k|| (float32 z-scores)
-    assert torch.allclose(raw, z(trig) + z(-keys.norm(dim=-1)), atol=1e-4)
-    pooled = get_scorer("trig", rope=spec, stats=stats, kernel_size=kernel).score(keys, keys, key_positions=kp)
+    # default norm_weight 1 and value_weight 1 (float32 z-scores)
+    assert torch.allclose(raw, z(z(trig) + z(-keys.norm(dim=-1))) + z(values.norm(dim=-1)), atol=1e-4)
+    no_value = get_scorer("trig", rope=spec, stats=stats, pooling="none", value_weight=0.0)
+    assert torch.allclose(no_value.score(keys, values, key_positions=kp), z(trig) + z(-keys.norm(dim=-1)),
+                          atol=1e-4)
+    pooled = get_scorer("trig", rope=spec, stats=stats, kernel_size=kernel).score(keys, values, key_positions=kp)
     r = kernel // 2
     ref = torch.stack([raw[..., max(0, i - r): i + r + 1].amax(-1) for i in range(t)], dim=-1)
     assert torch.equal(pooled, ref)  # a max selects one of the inputs: exact
+
+
+def test_value_term_ranks_first_a_token_whose_value_is_large():
+    """Tokens 3 and 7 share a key; token 7's value is 4x the largest other. With the value term it ranks first,
+    without it the plain score puts another token first (the control: the check can fail)."""
+    d, hkv, t = 16, 1, 12
+    spec = RopeSpec.default(d)
+    kp = torch.arange(t)[None, None]
+    keys = randn(5, 1, hkv, t, d)
+    keys[..., 7, :] = keys[..., 3, :]
+    values = randn(6, 1, hkv, t, d)
+    values[..., 7, :] = values[..., 7, :] / values[..., 7, :].norm() * 4 * values.norm(dim=-1).max()
+    stats = QueryStats.empty(2, d).accumulate(randn(7, 2, 2, 5, d))
+    with_v = get_scorer("trig", rope=spec, stats=stats, pooling="none").score(keys, values, key_positions=kp)
+    without = get_scorer("trig", rope=spec, stats=stats, pooling="none", value_weight=0.0)
+    assert int(with_v[0, 0].argmax()) == 7
+    assert int(without.score(keys, values, key_positions=kp)[0, 0].argmax()) != 7
 
 
 def test_trig_on_the_fly_equals_calibrated_from_same_queries():
@@ -118,6 +138,8 @@ def test_trig_options_and_inputs_are_checked():
         get_scorer("trig")
     with pytest.raises(MoendError, match="norm_weight=-1.*>= 0"):
         get_scorer("trig", rope=spec, norm_weight=-1)
+    with pytest.raises(MoendError, match="value_weight=-1.*>= 0"):
+        get_scorer("trig", rope=spec, value_weight=-1)
     with pytest.raises(MoendError, match="offsets"):
         build("trig", 8, offsets=())
     with pytest.raises(MoendError, match="stats head_dim 4"):
