@@ -230,9 +230,13 @@ def test_real_model_plan_with_keep1_layers_solved_for_the_prompt_holds_its_budge
 @pytest.mark.parametrize("mode", ["capacity"])
 def test_real_model_left_padded_batch_of_3_gives_each_row_its_tokens_alone(smollm, mode):
     """K4/V4 with eviction: padding never enters a K group's min/max (fillers and pads take a real token's value),
-    so each row of a left-padded batch decodes what it decodes alone. The rows' packed groups start at different
-    tokens than alone (a row's kept tokens sit after its fillers), so their quantization differs by rounding
-    noise: first-step logits within 0.5 (vs 5-9 logit argmax margins here), and the same 12 greedy tokens."""
+    and each row is scored on its real tokens alone, so each row of a left-padded batch decodes what it decodes
+    alone. The first step reads the prompt's exact K/V: logits within 0.5. From the second step on the rows read
+    packed groups that start at other tokens than alone (a row's kept tokens sit after its fillers), so their
+    4-bit rounding differs: measured up to 2.04 logits apart (padded rows; 0.2 for the unpadded one), so logits
+    within 2.5 while the tokens agree, and the same greedy tokens up to the first step whose margin alone (top-1
+    minus top-2 logit) is under that step's tolerance, where the noise may flip a near tie (measured: 0.12 at
+    step 10 of the 400-token row): at least the answer (a space and 5 digits) is compared on every row."""
     from moend_fx.eval.tasks import make_examples
 
     model, table, _, tok = smollm
@@ -250,14 +254,23 @@ def test_real_model_left_padded_batch_of_3_gives_each_row_its_tokens_alone(smoll
         cache = MoENDCache(plan, rope=rope_from_model(model), budget_mode=mode)
         out = model.generate(x, attention_mask=m, max_new_tokens=12, do_sample=False, cache=cache,
                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        return out.sequences[:, x.shape[1]:], out.scores[0]
+        return out.sequences[:, x.shape[1]:], torch.stack(out.scores, 1)  # [B, steps], [B, steps, vocab]
 
     model.set_attn_implementation("moend")
     try:
-        batched, first = run(ids, mask)
+        batched, logits = run(ids, mask)
         for i, r in enumerate(rows):
-            alone, first_alone = run(r[None], None)
-            assert torch.equal(batched[i, : alone.shape[1]], alone[0]), i
-            assert (first[i] - first_alone[0]).abs().max() < 0.5, i
+            alone, logits_alone = run(r[None], None)
+            top2 = logits_alone[0].topk(2, dim=-1).values
+            tol = torch.full((top2.shape[0],), 2.5)
+            tol[0] = 0.5
+            decided = (top2[:, 0] - top2[:, 1] >= tol).long().cumprod(0)  # steps before the first near tie
+            steps = int(decided.sum())
+            assert steps >= 6, (i, steps)
+            assert torch.equal(batched[i, :steps], alone[0, :steps]), i
+            # the logits of step s follow equal prefixes while the tokens before s agree
+            agree = int((batched[i, : alone.shape[1]] == alone[0]).long().cumprod(0).sum()) + 1
+            diff = (logits[i, :agree] - logits_alone[0, :agree]).abs().amax(-1)
+            assert (diff < tol[:agree]).all(), (i, diff)
     finally:
         model.set_attn_implementation("sdpa")
