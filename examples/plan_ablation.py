@@ -10,7 +10,9 @@ table's greedy plan for the example's length:
 * ``base``: the plan itself; ``kXvY``: the plan's keep ratios with K at X and V at Y bits on every layer
   (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
-* ``kernel=N`` / ``trig-weight=W``: the plan with the query-aware scorer's SnapKV pooling kernel / trig weight;
+* ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
+* ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W``: the trig
+  scorer's key-norm / value-norm weights (query-agnostic, where the scorer is trig);
 * ``fakek4-post`` / ``fakek4-pre`` / ``fakek4-token``: the plan's keep ratios and V bits with K held at 16 bits
   but its prompt tokens put through a 4-bit round trip (:func:`fake_k4`): as the cache quantizes K (per channel
   over 32 held tokens, after RoPE; the control, which should answer as ``base``), before RoPE, or per token.
@@ -55,19 +57,32 @@ from moend_fx.storage.quant import dequantize, quantize
 
 BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
 FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
-ALLOWED = ("base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), trig-weight=W (>= 0), "
-           + ", ".join(FAKE_K4))
+# scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's norm / value weights
+SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight"}
+ALLOWED = ("base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+           + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", " + ", ".join(FAKE_K4))
 
 
 def check_variant(variant: str) -> str:
-    """``variant`` if it names a variant this script knows (before any model is loaded), else a MoendError."""
+    """``variant`` if it names a variant this script knows (before any model is loaded), else a MoendError.
+
+    Scorer options combine with ``+`` (``value-weight=1+pooling=avg``)."""
+    if "+" in variant:
+        parts = variant.split("+")
+        if all("=" in p for p in parts):
+            for p in parts:
+                check_variant(p)
+            return variant
+        raise MoendError(f"variant {variant!r}: only scorer options (name=value) combine with '+'")
     name, _, value = variant.partition("=")
     try:
         if variant in ("base", "keep1", "no-k4", *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
-        if name == "trig-weight" and float(value) >= 0:
+        if name in SCORER_WEIGHTS and float(value) >= 0:
+            return variant
+        if name == "pooling" and value in ("max", "avg", "none"):
             return variant
         if not value and variant.startswith("k") and "v" in variant:
             if {int(x) for x in variant[1:].split("v")} <= {2, 4, 8, 16} and variant.count("v") == 1:
@@ -137,11 +152,16 @@ def faked_keys(variant: str, rope: RopeSpec) -> Iterator[None]:
 
 
 def scorer_kwargs(variant: str) -> dict[str, Any]:
-    """Scorer options of a ``kernel=N`` / ``trig-weight=W`` variant (none for the others)."""
-    if variant.startswith("kernel="):
-        return {"kernel_size": int(variant.split("=")[1])}
-    if variant.startswith("trig-weight="):
-        return {"trig_weight": float(variant.split("=")[1])}
+    """Scorer options of a ``kernel=N`` / ``pooling=P`` / ``<weight>=W`` variant (none for the others)."""
+    if "+" in variant:
+        return {k: v for p in variant.split("+") for k, v in scorer_kwargs(p).items()}
+    name, _, value = variant.partition("=")
+    if name == "kernel":
+        return {"kernel_size": int(value)}
+    if name == "pooling":
+        return {"pooling": value}
+    if name in SCORER_WEIGHTS:
+        return {SCORER_WEIGHTS[name]: float(value)}
     return {}
 
 
