@@ -73,7 +73,8 @@ def check_variant(variant: str) -> str:
             for p in parts:
                 check_variant(p)
             return variant
-        raise MoendError(f"variant {variant!r}: only scorer options (name=value) combine with '+'")
+        raise MoendError(f"variant {variant!r}: only scorer options (name=value) combine with '+'; "
+                         f"allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
         if variant in ("base", "keep1", "no-k4", *FAKE_K4):

@@ -53,15 +53,19 @@ def test_scorer_variants_parse_their_option(ablation):
     assert ablation.scorer_kwargs("kernel=17") == {"kernel_size": 17}
     assert ablation.scorer_kwargs("trig-weight=0.5") == {"trig_weight": 0.5}
     assert ablation.scorer_kwargs("k8v8") == {}
+    assert ablation.scorer_kwargs("pooling=avg") == {"pooling": "avg"}
+    assert ablation.scorer_kwargs("value-weight=1+norm-weight=0") == {"value_weight": 1.0, "norm_weight": 0.0}
 
 
-@pytest.mark.parametrize("bad", ["k8x4", "k3v4", "k8v4v2", "kernel=4", "kernel=x", "trig-weight=-1", "foo", ""])
+@pytest.mark.parametrize("bad", ["k8x4", "k3v4", "k8v4v2", "kernel=4", "kernel=x", "trig-weight=-1", "foo", "",
+                                 "value-weight=-1", "pooling=min", "k8v4+kernel=3", "value-weight=1+foo=2"])
 def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, bad):
     with pytest.raises(MoendError, match="allowed: base, keep1, no-k4"):
         ablation.check_variant(bad)
 
 
-@pytest.mark.parametrize("good", ["base", "keep1", "no-k4", "k8v4", "k16v16", "kernel=17", "trig-weight=0.5"])
+@pytest.mark.parametrize("good", ["base", "keep1", "no-k4", "k8v4", "k16v16", "kernel=17", "trig-weight=0.5",
+                                  "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
 
