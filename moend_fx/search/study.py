@@ -26,6 +26,7 @@ from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import option_set
 from moend_fx.plan.memory import parse_budget
+from moend_fx.search.claims import Duplicate, fail_abandoned, told_elsewhere
 from moend_fx.search.objective import HeldOutText, MeasuredKL
 from moend_fx.search.space import Moves, Neighbourhood
 from moend_fx.solvers import get_solver
@@ -182,29 +183,6 @@ def counted(trial: Any) -> bool:
     return trial.state != optuna.trial.TrialState.FAIL and not trial.user_attrs.get("surplus")
 
 
-def fail_abandoned(study: Any) -> int:
-    """Fail trials left RUNNING by a worker of this host that is no longer alive; returns how many."""
-    import optuna
-
-    host, n = socket.gethostname(), 0
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        w_host, _, pid = str(t.user_attrs.get("worker", "")).partition(":")
-        if w_host == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-            n += 1
-    return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class WorkerReport:
     """What one worker did: trials measured here, surplus slots, trials reused from a same-plan trial, trials it
@@ -235,22 +213,20 @@ def run_worker(study: Any, problem: Problem, objective: MeasuredKL, settings: Se
             rep.surplus += 1
             break
         t0 = time.perf_counter()
-        idx = problem.space.propose(trial)
-        reused = _same_plan(before, idx)
         try:
-            per_seq = reused if reused is not None else objective.per_sequence(idx)
-        except BaseException:  # interrupted or broken: the slot is freed for a resumed run
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            raise
-        kl, used = float(np.mean(per_seq)), problem.space.bytes_of(idx)
-        try:
-            _record(trial, worker, idx, used, problem, per_seq, reused is not None, time.perf_counter() - t0)
-            study.tell(trial, [kl, float(used)] if settings.multi else kl)
-        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-            # SQLite ignores the row lock optuna takes to pop an enqueued trial, so under load two workers can be
-            # handed the same seeded trial: the first to finish tells it (the same plan's KL is the same)
-            if not _finished(study, trial.number):
+            with told_elsewhere(study, trial.number):
+                idx = problem.space.propose(trial)
+            reused = _same_plan(before, idx)
+            try:
+                per_seq = reused if reused is not None else objective.per_sequence(idx)
+            except BaseException:  # interrupted or broken: the slot is freed for a resumed run
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
+            kl, used = float(np.mean(per_seq)), problem.space.bytes_of(idx)
+            with told_elsewhere(study, trial.number):
+                _record(trial, worker, idx, used, problem, per_seq, reused is not None, time.perf_counter() - t0)
+                study.tell(trial, [kl, float(used)] if settings.multi else kl)
+        except Duplicate:
             rep.duplicates += 1
             continue
         rep.reused += reused is not None
@@ -273,11 +249,6 @@ def _record(trial: Any, worker: str, idx: np.ndarray, used: int, problem: Proble
     trial.set_user_attr("reused", reused)
     trial.set_user_attr("seconds", seconds)
     trial.set_constraint("budget", (used - problem.budget_bytes) / problem.budget_bytes)
-
-
-def _finished(study: Any, number: int) -> bool:
-    """Whether trial ``number`` of ``study`` is already finished (told by another worker)."""
-    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
 def _same_plan(trials: list[Any], idx: np.ndarray) -> list[float] | None:
