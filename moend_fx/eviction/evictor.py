@@ -12,7 +12,7 @@ import torch
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.groups import groups_to_keep
-from moend_fx.eviction.held import DenseKV, RealTokens, evict_rows, real_at
+from moend_fx.eviction.held import DenseKV, RealTokens, evict_rows, real_at, real_row_scores
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.query_window import QueryWindow
 from moend_fx.eviction.scorers.base import Scorer
@@ -253,26 +253,12 @@ class Evictor:
     def _evict_groups(self, kv: PackedKV, pos: torch.Tensor, real: RealTokens, target: int) -> PackedKV:
         """Drop the fewest whole packed groups that bring the layer to ``target`` tokens or below."""
         k, v = kv.dequantize()
-        scores = self.scores(k, v, pos, None, None) if real.valid is None else self._real_scores(k, v, pos, real.valid)
+        scores = (self.scores(k, v, pos, None, None) if real.valid is None
+                  else real_row_scores(k, v, pos, real.valid, self.scores))
         ranks = token_ranks(scores, sink_tokens=self.policy.sink_tokens, recent_tokens=self.policy.recent_tokens,
                             key_positions=pos)
         drop = -(-(kv.num_tokens - target) // self.group_size)
         return kv.keep_groups(groups_to_keep(ranks, kv.num_packed, self.group_size, drop))
-
-    def _real_scores(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Scores [B, Hkv, n] of k, v: [B, Hkv, n, D] at slots pos [B, Hkv, n], each row scored on its real tokens
-        alone (valid: [B, Hkv, n] bool, the same count on every head of a row), padding -inf: a scorer that
-        standardises over the tokens must not see a row's padding, or a padded row evicts differently alone."""
-        out = torch.full(pos.shape, float("-inf"), device=k.device)
-        for b in range(pos.shape[0]):
-            n = int(valid[b, 0].sum())
-            if n == 0:
-                continue
-            idx = torch.argsort((~valid[b]).to(torch.int8), dim=-1, stable=True)[None, :, :n]  # [1, Hkv, n]
-            row = slice(b, b + 1)
-            s = self.scores(gather_tokens(k[row], idx), gather_tokens(v[row], idx), pos[row].gather(-1, idx), b, None)
-            out[row] = out[row].scatter(-1, idx, s.to(out.dtype))
-        return out
 
     def _evict_tokens(self, kv: PackedKV | DenseKV, pos: torch.Tensor, real: RealTokens, targets: torch.Tensor,
                       lmask: torch.Tensor | None) -> PackedKV:

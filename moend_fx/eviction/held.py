@@ -11,6 +11,7 @@ import torch
 from moend_fx.storage.tokens import gather_tokens
 
 Select = Callable[..., torch.Tensor]
+Score = Callable[..., torch.Tensor]
 
 
 class DenseKV(NamedTuple):
@@ -106,3 +107,21 @@ def _evict_row(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, real: RealTo
     if n_r < n:
         kr, vr, pr = _top_up(kr, vr, pr, n - n_r, int(pads[0]))
     return kr, vr, pr
+
+
+def real_row_scores(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, score: Score,
+                    ) -> torch.Tensor:
+    """Scores [B, Hkv, n] of k, v: [B, Hkv, n, D] at slots pos [B, Hkv, n], each row scored on its real tokens
+    alone (valid: [B, Hkv, n] bool, the same count on every head of a row), padding -inf: a scorer that
+    standardises over the tokens must not see a row's padding, or a padded row evicts differently alone.
+    score: the evictor's scoring (k, v, pos of one row, the row, which window queries are real) -> [1, Hkv, n]."""
+    out = torch.full(pos.shape, float("-inf"), device=k.device)
+    for b in range(pos.shape[0]):
+        n = int(valid[b, 0].sum())
+        if n == 0:
+            continue
+        idx = torch.argsort((~valid[b]).to(torch.int8), dim=-1, stable=True)[None, :, :n]  # [1, Hkv, n]
+        row = slice(b, b + 1)
+        s = score(gather_tokens(k[row], idx), gather_tokens(v[row], idx), pos[row].gather(-1, idx), b, None)
+        out[row] = out[row].scatter(-1, idx, s.to(out.dtype))
+    return out

@@ -3,7 +3,8 @@ searched around the greedy and exact plans, shared by many workers through one O
 
 Stages: :mod:`~moend_fx.search.objective` (the measured KL, one prefill per sequence),
 :mod:`~moend_fx.search.space` (per-layer moves around the seed plans), :mod:`~moend_fx.search.study` (the study
-and its workers), :mod:`~moend_fx.search.claims` (trials abandoned or told by another worker), :mod:`~moend_fx.search.report` (greedy vs exact vs searched, held-out check, front),
+and its workers), :mod:`~moend_fx.search.claims` (trials abandoned or told by another worker),
+:mod:`~moend_fx.search.report` (greedy vs exact vs searched, held-out check, front),
 :mod:`~moend_fx.search.run` (the driver the CLI calls).
 """
 

@@ -1,4 +1,4 @@
-"""Evictor: a padded row is scored on its real tokens alone, as the same row is without padding."""
+"""held.real_row_scores: a padded row is scored on its real tokens alone, as the same row is without padding."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moend_fx.eviction.evictor import Evictor
+from moend_fx.eviction.held import real_row_scores
 from moend_fx.eviction.policy import EvictionPolicy
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers import get_scorer
@@ -37,7 +38,7 @@ def test_padded_row_gets_the_scores_it_gets_alone(seed, n, pad):
     pos = torch.arange(t).expand(2, HKV, t)
     valid = torch.ones(2, HKV, t, dtype=torch.bool)
     valid[1, :, :pad] = False
-    got = _evictor([0, pad])._real_scores(k, v, pos, valid)
+    got = real_row_scores(k, v, pos, valid, _evictor([0, pad]).scores)
     alone = _evictor([0]).scores(k[1:, :, pad:], v[1:, :, pad:], torch.arange(n).expand(1, HKV, n), None, None)
     assert torch.isneginf(got[1, :, :pad]).all()
     assert torch.allclose(got[1, :, pad:], alone[0], atol=1e-5)
