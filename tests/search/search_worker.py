@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 
-def run(storage: str, table_path: str, seed: int, trials: int, ready=None) -> None:
+def run(storage: str, table_path: str, seed: int, trials: int, ready=None, first=None) -> None:
     """One worker of a shared study. ``ready``: a barrier the workers meet at once set up (model built, study
-    open), so a worker that started late still finds trials left (under load one could finish them all first)."""
+    open), so a worker that started late still finds trials left. ``first``: a barrier they meet once each has
+    told its first trial: under load one worker could otherwise measure the whole total before the other is
+    scheduled (CI saw it), and the test is about two workers sharing one study."""
     from moend_fx.calibration.sensitivity import SensitivityTable
     from moend_fx.search import open_study, run_worker
     from tests.search import helpers
@@ -20,4 +22,11 @@ def run(storage: str, table_path: str, seed: int, trials: int, ready=None) -> No
     study, _ = open_study(storage, "shared", problem, s)
     if ready is not None:
         ready.wait(timeout=240)
-    run_worker(study, problem, helpers.objective(m, t), s)
+    told = []
+
+    def meet_after_the_first(done: int, best: float) -> None:
+        if first is not None and not told:
+            told.append(done)
+            first.wait(timeout=240)
+
+    run_worker(study, problem, helpers.objective(m, t), s, on_trial=meet_after_the_first)

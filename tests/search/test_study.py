@@ -127,8 +127,8 @@ def test_two_processes_complete_the_total_with_no_lost_or_duplicated_trial(parts
     storage = f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite" else str(tmp_path / "s.journal")
     total = 16
     ctx = mp.get_context("spawn")
-    ready = ctx.Barrier(2)
-    procs = [ctx.Process(target=search_worker.run, args=(storage, str(table_path), seed, total, ready))
+    ready, first = ctx.Barrier(2), ctx.Barrier(2)
+    procs = [ctx.Process(target=search_worker.run, args=(storage, str(table_path), seed, total, ready, first))
              for seed in (1, 2)]
     for p in procs:
         p.start()
