@@ -97,7 +97,8 @@ def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero")
 
     for h in hs:
         full = "-" if h["full"] is None else f"{100 * h['full']:.1f}"
-        best = (f"{h['best_baseline']} {100 * h['best_baseline_mean']:.1f}" if h["best_baseline"] else "none feasible")
+        best = (f"{h['best_baseline']} {100 * h['best_baseline_mean']:.1f}" if h["best_baseline"]
+                else "none feasible" if h["infeasible_baselines"] else "none run")
         if h["infeasible_baselines"]:
             best += f" ({', '.join(h['infeasible_baselines'])} infeasible)"
         lines.append(

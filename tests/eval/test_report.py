@@ -88,6 +88,15 @@ def test_headline_compares_with_full_and_best_feasible_baseline():
     assert "| query_aware | 2048 | 14x | 65.0 |" in markdown_report(summarize_records(recs))
 
 
+def test_headline_tells_a_budget_no_baseline_ran_at_from_one_none_could_meet():
+    """A budget only MoE-nD ran at says "none run", one where every baseline was infeasible "none feasible"."""
+    infeasible_only = [r for r in _records() if r["method"] != "2d_uniform"]
+    assert "| none feasible (1d infeasible) |" in markdown_report(summarize_records(infeasible_only))
+    hetero_only = [r for r in _records() if r["method"] in ("full", "2d_hetero")]
+    md = markdown_report(summarize_records(hetero_only))
+    assert "| none run |" in md and "none feasible" not in md
+
+
 def test_write_report_files_parse(tmp_path):
     paths = write_report(_records(), tmp_path, meta={"config": {"n": 10}}, plans={"x": {"layers": ["a"]}})
     doc = json.loads(paths["json"].read_text())
