@@ -31,7 +31,7 @@ def test_it_is_snapkv_with_queries_and_trig_without(seed, b, hkv, group):
     stats = _stats(h, d, seed + 2)
     scorer = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w, trig_weight=0.0)
     snap = get_scorer("snapkv", window=w, pooling="max", kernel_size=9)
-    trig = get_scorer("trig", rope=SPEC, stats=stats)
+    trig = get_scorer("trig", rope=SPEC, stats=stats, value_weight=scorer.value_weight)  # its own weight
     with_q = scorer.score(keys, keys, queries=q, key_positions=kp, query_positions=qp)
     assert torch.equal(with_q, snap.score(keys, keys, queries=q, key_positions=kp, query_positions=qp))
     assert torch.equal(scorer.score(keys, keys, key_positions=kp), trig.score(keys, keys, key_positions=kp))
