@@ -61,9 +61,10 @@ class TrigScorer(Scorer):
     value-aware pruning): a key that draws average attention but carries a large value moves the output more than
     its score says. Measured (SmolLM2-135M, query-agnostic niah_single at 14x, the greedy plan fixed, 30 examples
     each, ``examples/plan_ablation.py``): 70.0% -> 93.3% at 2k and 73.3% -> 96.7% at 4k, 7 examples better and
-    none worse at each length. Weight 0.25 (table re-calibrated with it, the query-agnostic evaluation re-run,
-    docs/results.md): 14x passkey + niah_single 86.7% at 2k (91.7% with weight 1) and 88.3% at 4k (80.0%: the
-    late passkey needles come back), but niah_single at 8k 55% (75%) and 30% at 20x (75%), so the default stays 1.
+    none worse at each length (weight 0.5: 80.0% at 2k, weight 2: 93.3% at 4k). Weight 0.25 (table
+    re-calibrated with it, the query-agnostic evaluation re-run, docs/results.md): 14x passkey + niah_single
+    86.7% at 2k (91.7% with weight 1) and 88.3% at 4k (80.0%: the late passkey needles come back), but
+    niah_single at 8k 55% (75%) and 30% at 20x (75%), so the default stays 1.
 
     Pooling (default: max over ``kernel_size`` = 9 stored neighbours, as SnapKV pools its attention): a
     retrieved fact is a span ("The pass key is 72207."), and a per-token score keeps some of its tokens and
