@@ -8,7 +8,9 @@ protocol); every variant compresses a copy of that prefill and answers greedily.
 table's greedy plan for the example's length:
 
 * ``base``: the plan itself; ``kXvY``: the plan's keep ratios with K at X and V at Y bits on every layer
-  (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept;
+  (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept of the
+  prompt (in capacity mode the layers then start evicting whole groups once the question and answer outgrow the
+  plan's bytes); ``keep1-ratio``: the same with ``budget_mode="ratio"``, so nothing is ever evicted;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
 * ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W``: the trig
@@ -58,8 +60,9 @@ from moend_fx.storage.quant import dequantize, quantize
 BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
 FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
 # scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's norm / value weights
-SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight"}
-ALLOWED = ("base, keep1, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight",
+                  "diversity-weight": "diversity_weight"}
+ALLOWED = ("base, keep1, keep1-ratio, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", " + ", ".join(FAKE_K4))
 
 
@@ -77,7 +80,7 @@ def check_variant(variant: str) -> str:
                          f"allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
-        if variant in ("base", "keep1", "no-k4", *FAKE_K4):
+        if variant in ("base", "keep1", "keep1-ratio", "no-k4", *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
@@ -104,7 +107,7 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
         return get_solver("greedy").solve(barred, budget, context_length=plan.context_length).plan
     if variant in FAKE_K4:
         return dataclasses.replace(plan, layers=tuple(LayerConfig(c.keep_ratio, 16, c.v_bits) for c in plan.layers))
-    if variant == "keep1":
+    if variant in ("keep1", "keep1-ratio"):
         return dataclasses.replace(plan, layers=tuple(LayerConfig(1.0, c.k_bits, c.v_bits) for c in plan.layers))
     if variant.startswith("k") and "v" in variant:
         k, v = (int(x) for x in variant[1:].split("v"))
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
             for v in todo:
                 kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v)}
+                if v == "keep1-ratio":
+                    kw["budget_mode"] = "ratio"
                 with faked_keys(v, rope):
                     cache = build_cache(spec, state, model=model,
                                         plan=variant_plan(plan, v, setting_plans.table, args.budget), **kw)

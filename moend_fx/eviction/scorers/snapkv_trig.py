@@ -34,6 +34,10 @@ class SnapKVTrigScorer(Scorer):
     decode-time re-eviction weigh values alike. Query-aware niah_single at 2k, 14x, the plan fixed: 86.7% with
     weight 0, 90.0% with 1 (2 examples better, 1 worse: inside the interval; the gain is query-agnostic's).
 
+    ``diversity_weight`` is the trig score's key-novelty weight (:class:`TrigScorer`), 0 here (trig's default is
+    0.5): where the question is in the prompt its queries find the fact, and the query-aware evaluation was not
+    re-run with the term (docs/results.md, "Key novelty in trig").
+
     Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
     its window and this is SnapKV over it, at every re-eviction.
     """
@@ -46,18 +50,20 @@ class SnapKVTrigScorer(Scorer):
     kernel_size: int = 9
     trig_weight: float = 1.0
     value_weight: float = 1.0
+    diversity_weight: float = 0.0
     _snap: SnapKVScorer = field(init=False, compare=False, repr=False)
     _trig: TrigScorer | None = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("trig_weight", "value_weight"):
+        for name in ("trig_weight", "value_weight", "diversity_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
                 raise MoendError(f"{self.name} {name}={w!r}; must be a finite number >= 0")
         object.__setattr__(self, "_snap", SnapKVScorer(window=self.window, kernel_size=self.kernel_size,
                                                       pooling="max"))
         trig = None if self.stats is None else TrigScorer(rope=self.rope, stats=self.stats,
-                                                              value_weight=self.value_weight)
+                                                              value_weight=self.value_weight,
+                                                              diversity_weight=self.diversity_weight)
         object.__setattr__(self, "_trig", trig)
 
     @property

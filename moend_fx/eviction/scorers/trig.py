@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import Pooling, ScorerName
@@ -66,6 +67,16 @@ class TrigScorer(Scorer):
     86.7% at 2k (91.7% with weight 1) and 88.3% at 4k (80.0%: the late passkey needles come back), but
     niah_single at 8k 55% (75%) and 30% at 20x (75%), so the default stays 1.
 
+    Key novelty (``diversity_weight``, default 0.5): then ``diversity_weight`` times the standardised
+    :meth:`novelty` (minus the cosine between a key's pre-RoPE direction and the mean of the layer's keys, KeyDiff's
+    signal) is added. Without a query, a fact that is stated once among text that repeats itself (a pass key in
+    repeated filler) is the key that points away from the rest; the frequency score, which rates keys by how an
+    average query meets them, rates the repeated phrase as high as the fact. Measured (SmolLM2-135M,
+    query-agnostic, 14x, the weight-1 table's greedy plan fixed, ``examples/plan_ablation.py``; weights 0 / 0.25 /
+    0.5 / 1): passkey 86.7 / 93.3 / 90.0 / 93.3% at 2k and 70.0 / 80.0 / 76.7 / 80.0% at 4k (30 each),
+    niah_single 96.7 / 100 / 100 / 100% at 2k, 96.7 / 96.7 / 100 / 93.3% at 4k (30) and 80 / 70 / 80 / 75% at
+    8k (20): 0.5 is the one weight no worse than none anywhere. docs/results.md has the evaluation.
+
     Pooling (default: max over ``kernel_size`` = 9 stored neighbours, as SnapKV pools its attention): a
     retrieved fact is a span ("The pass key is 72207."), and a per-token score keeps some of its tokens and
     drops others; max-pooling keeps the neighbours of every high-scoring token.
@@ -73,7 +84,7 @@ class TrigScorer(Scorer):
     Measured (SmolLM2-135M, query-agnostic passkey at 2k tokens, every layer keeping 12% at 16 bits):
     plain trig 0/4, max-pooled trig 4/4, with the norm term 4/4; keeping 7%: 0/3, 0/3, 3/3 (small samples:
     the evaluation in docs/results.md is the real test). ``pooling="none", norm_weight=0`` gives the plain
-    TriAttention-style score.
+    TriAttention-style score (with ``value_weight=0, diversity_weight=0``).
 
     Stats: ``stats`` (a calibrated :class:`~moend_fx.eviction.rope.QueryStats` of this layer, [H] heads) or, if
     None, estimated from ``queries`` un-rotated with ``query_positions`` (per batch row): only then does the
@@ -89,10 +100,11 @@ class TrigScorer(Scorer):
     kernel_size: int = 9
     norm_weight: float = 1.0
     value_weight: float = 1.0
+    diversity_weight: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pooling", check_pooling(self.name, self.pooling, self.kernel_size))
-        for name in ("norm_weight", "value_weight"):
+        for name in ("norm_weight", "value_weight", "diversity_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
                 raise MoendError(f"trig {name}={w!r}; must be a finite number >= 0")
@@ -176,6 +188,17 @@ class TrigScorer(Scorer):
         m = (incoherent.cpu() * s).reshape(incoherent.shape[0], hkv, g, -1).mean(dim=2)
         return c, m
 
+    def novelty(self, keys: Tensor, key_positions: Tensor) -> Tensor:
+        """How unlike the layer's other keys each key is: minus the cosine between its pre-RoPE direction and the
+        mean direction of the keys given (per row and KV head). keys: [B, Hkv, T, D] post-RoPE; key_positions:
+        [B, Hkv, T]. Returns [B, Hkv, T] float32 in [-1, 1].
+
+        Pre-RoPE, so that a phrase repeated at many positions is one direction (after RoPE each copy sits at
+        its own angle and looks new)."""
+        unit = F.normalize(invert_rope(keys.double(), key_positions, self.rope).float(), dim=-1)
+        anchor = F.normalize(unit.mean(dim=2, keepdim=True), dim=-1)
+        return -(unit * anchor).sum(dim=-1)
+
     def score(self, keys: Tensor, values: Tensor, *, queries: Tensor | None = None, key_positions: Tensor,
               query_positions: Tensor | None = None) -> Tensor:
         """keys, values: [B, Hkv, T, D]; queries: [B, H, W, D] or None (with stats); key_positions: [B, Hkv, T];
@@ -208,4 +231,6 @@ class TrigScorer(Scorer):
             score = standardise(score) + self.norm_weight * standardise(-k.norm(dim=-1))
         if self.value_weight:
             score = standardise(score) + self.value_weight * standardise(values.float().norm(dim=-1))
+        if self.diversity_weight:
+            score = standardise(score) + self.diversity_weight * standardise(self.novelty(k, kp))
         return pool_scores(score, self.kernel_size, self.pooling)

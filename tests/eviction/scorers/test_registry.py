@@ -82,7 +82,7 @@ def test_every_scorer_keeps_sinks_recent_and_count(name, seed, b, hkv, group, t,
 D, HKV, GROUP, T, W = 8, 2, 2, 10, 3
 SPEC = RopeSpec.default(D, theta=1000.0)
 # trig without its pooling, norm and value terms here: those have their own tests (test_trig.py)
-OPTIONS = {"trig": dict(pooling="none", norm_weight=0.0, value_weight=0.0)}
+OPTIONS = {"trig": dict(pooling="none", norm_weight=0.0, value_weight=0.0, diversity_weight=0.0)}
 
 
 def _naive_trig(keys, q, kp, qp):

@@ -31,10 +31,15 @@ def test_it_is_snapkv_with_queries_and_trig_without(seed, b, hkv, group):
     stats = _stats(h, d, seed + 2)
     scorer = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w, trig_weight=0.0)
     snap = get_scorer("snapkv", window=w, pooling="max", kernel_size=9)
-    trig = get_scorer("trig", rope=SPEC, stats=stats, value_weight=scorer.value_weight)  # its own weight
+    trig = get_scorer("trig", rope=SPEC, stats=stats, value_weight=scorer.value_weight,
+                      diversity_weight=scorer.diversity_weight)  # its own weights
     with_q = scorer.score(keys, keys, queries=q, key_positions=kp, query_positions=qp)
     assert torch.equal(with_q, snap.score(keys, keys, queries=q, key_positions=kp, query_positions=qp))
     assert torch.equal(scorer.score(keys, keys, key_positions=kp), trig.score(keys, keys, key_positions=kp))
+    diverse = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w, diversity_weight=1.0)
+    assert torch.equal(diverse.score(keys, keys, key_positions=kp),
+                       get_scorer("trig", rope=SPEC, stats=stats, diversity_weight=1.0).score(keys, keys,
+                                                                                             key_positions=kp))
     mixed = get_scorer("snapkv_trig", rope=SPEC, stats=stats, window=w, trig_weight=0.5)
     want = standardise(snap.score(keys, keys, queries=q, key_positions=kp, query_positions=qp)) \
         + 0.5 * standardise(trig.score(keys, keys, key_positions=kp))
@@ -88,5 +93,7 @@ def test_options_and_missing_inputs_are_named():
         get_scorer("snapkv_trig", trig_weight=-1)
     with pytest.raises(MoendError, match="value_weight=-1.*>= 0"):
         get_scorer("snapkv_trig", value_weight=-1)
+    with pytest.raises(MoendError, match="diversity_weight=-1.*>= 0"):
+        get_scorer("snapkv_trig", diversity_weight=-1)
     with pytest.raises(MoendError, match="needs the prompt's queries or calibrated stats"):
         get_scorer("snapkv_trig").score(randn(0, 1, 1, 6, 8), randn(1, 1, 1, 6, 8), key_positions=torch.arange(6))
