@@ -13,8 +13,9 @@ table's greedy plan for the example's length:
   plan's bytes); ``keep1-ratio``: the same with ``budget_mode="ratio"``, so nothing is ever evicted;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
-* ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W``: the trig
-  scorer's key-norm / value-norm weights (query-agnostic, where the scorer is trig);
+* ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W`` /
+  ``diversity-weight=W``: the trig scorer's key-norm / value-norm / key-novelty weights (query-agnostic, where
+  the scorer is trig);
 * ``fakek4-post`` / ``fakek4-pre`` / ``fakek4-token``: the plan's keep ratios and V bits with K held at 16 bits
   but its prompt tokens put through a 4-bit round trip (:func:`fake_k4`): as the cache quantizes K (per channel
   over 32 held tokens, after RoPE; the control, which should answer as ``base``), before RoPE, or per token.
@@ -59,7 +60,7 @@ from moend_fx.storage.quant import dequantize, quantize
 
 BARRED_S = 10.0  # far above any measured S (relative errors are <= ~1): the greedy never picks a barred config
 FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
-# scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's norm / value weights
+# scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's weights
 SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight",
                   "diversity-weight": "diversity_weight"}
 ALLOWED = ("base, keep1, keep1-ratio, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
