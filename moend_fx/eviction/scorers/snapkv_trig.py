@@ -34,9 +34,10 @@ class SnapKVTrigScorer(Scorer):
     decode-time re-eviction weigh values alike. Query-aware niah_single at 2k, 14x, the plan fixed: 86.7% with
     weight 0, 90.0% with 1 (2 examples better, 1 worse: inside the interval; the gain is query-agnostic's).
 
-    ``diversity_weight`` is the trig score's key-novelty weight (:class:`TrigScorer`), 0 here (trig's default is
-    0.5): where the question is in the prompt its queries find the fact, and the query-aware evaluation was not
-    re-run with the term (docs/results.md, "Key novelty in trig").
+    ``diversity_weight`` is the trig score's key-novelty weight (:class:`TrigScorer`), 0.5 as in trig. The
+    question's queries alone do not find the fact at high compression: SmolLM2-135M, query-aware, the greedy plan
+    fixed, weight 0 / 0.5 / 1: niah_single at 8k, 14x, 70 / 85 / 85% (20 examples); at 2k, 20x, 33 / 93 / 93%
+    (30) (docs/results.md, "Key novelty in the query-aware scorer").
 
     Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
     its window and this is SnapKV over it, at every re-eviction.
@@ -50,7 +51,7 @@ class SnapKVTrigScorer(Scorer):
     kernel_size: int = 9
     trig_weight: float = 1.0
     value_weight: float = 1.0
-    diversity_weight: float = 0.0
+    diversity_weight: float = 0.5
     _snap: SnapKVScorer = field(init=False, compare=False, repr=False)
     _trig: TrigScorer | None = field(init=False, compare=False, repr=False)
 
