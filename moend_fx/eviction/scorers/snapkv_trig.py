@@ -36,7 +36,7 @@ class SnapKVTrigScorer(Scorer):
 
     ``diversity_weight`` is the trig score's key-novelty weight (:class:`TrigScorer`), 0.5 as in trig. The
     question's queries alone do not find the fact at high compression: SmolLM2-135M, query-aware, the greedy plan
-    fixed, weight 0 / 0.5 / 1: niah_single at 8k, 14x, 70 / 85 / 85% (20 examples); at 2k, 20x, 33 / 93 / 93%
+    fixed, weight 0 / 0.5 / 1: niah_single at 8k, 14x, 70 / 85 / 85% (20 examples); at 2k, 20x, 36.7 / 93.3 / 96.7%
     (30) (docs/results.md, "Key novelty in the query-aware scorer").
 
     Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
