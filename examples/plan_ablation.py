@@ -14,8 +14,8 @@ table's greedy plan for the example's length:
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
 * ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W`` /
-  ``diversity-weight=W``: the trig scorer's key-norm / value-norm / key-novelty weights (query-agnostic, where
-  the scorer is trig);
+  ``diversity-weight=W``: the trig scorer's key-norm / value-norm / key-novelty weights (the query-aware scorer
+  ``snapkv_trig`` passes its value and novelty weights to its trig part; it has no key-norm weight);
 * ``fakek4-post`` / ``fakek4-pre`` / ``fakek4-token``: the plan's keep ratios and V bits with K held at 16 bits
   but its prompt tokens put through a 4-bit round trip (:func:`fake_k4`): as the cache quantizes K (per channel
   over 32 held tokens, after RoPE; the control, which should answer as ``base``), before RoPE, or per token.

@@ -97,3 +97,13 @@ def test_options_and_missing_inputs_are_named():
         get_scorer("snapkv_trig", diversity_weight=-1)
     with pytest.raises(MoendError, match="needs the prompt's queries or calibrated stats"):
         get_scorer("snapkv_trig").score(randn(0, 1, 1, 6, 8), randn(1, 1, 1, 6, 8), key_positions=torch.arange(6))
+
+
+def test_its_trig_part_weighs_key_novelty_as_trig_does_by_default():
+    """Query-aware compression adds trig's key-novelty term at trig's own default weight (0.5): the question's
+    queries alone lost the needle at 14x-20x on SmolLM2 (docs/results.md, "Key novelty in the query-aware
+    scorer"), so switching it off must be explicit."""
+    stats = _stats(2, 8, 0)
+    assert get_scorer("snapkv_trig", rope=SPEC, stats=stats).diversity_weight == 0.5
+    assert get_scorer("trig", rope=SPEC, stats=stats).diversity_weight == 0.5
+    assert get_scorer("snapkv_trig", rope=SPEC, stats=stats, diversity_weight=0.0).diversity_weight == 0.0
