@@ -50,8 +50,8 @@ class SnapKVTrigScorer(Scorer):
     window: int | None = None
     kernel_size: int = 9
     trig_weight: float = 1.0
-    value_weight: float = 1.0
-    diversity_weight: float = 0.5
+    value_weight: float = TrigScorer.value_weight  # trig's own defaults, so the two scorers weigh alike
+    diversity_weight: float = TrigScorer.diversity_weight
     _snap: SnapKVScorer = field(init=False, compare=False, repr=False)
     _trig: TrigScorer | None = field(init=False, compare=False, repr=False)
 
