@@ -12,6 +12,9 @@ table's greedy plan for the example's length:
   prompt (in capacity mode the layers then start evicting whole groups once the question and answer outgrow the
   plan's bytes); ``keep1-ratio``: the same with ``budget_mode="ratio"``, so nothing is ever evicted;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
+  ``k4-floor=R``: the same with only the 4-bit-K configs of keep ratio <= R barred (``no-k4`` is ``k4-floor=1``);
+* ``table=PATH``: the greedy plan for the same budget on another table of this model (a safetensors table file,
+  e.g. one whose S was measured otherwise), the cache's scorer and statistics unchanged;
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
 * ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W`` /
   ``diversity-weight=W``: the trig scorer's key-norm / value-norm / key-novelty weights (the query-aware scorer
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import setting_tables
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
@@ -63,7 +67,8 @@ FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
 # scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's weights
 SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight",
                   "diversity-weight": "diversity_weight"}
-ALLOWED = ("base, keep1, keep1-ratio, no-k4, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+ALLOWED = ("base, keep1, keep1-ratio, no-k4, k4-floor=R (0 < R <= 1), table=PATH, kXvY (X, Y in 2, 4, 8, 16), "
+           "kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", " + ", ".join(FAKE_K4))
 
 
@@ -73,7 +78,7 @@ def check_variant(variant: str) -> str:
     Scorer options combine with ``+`` (``value-weight=1+pooling=avg``)."""
     if "+" in variant:
         parts = variant.split("+")
-        if all("=" in p for p in parts):
+        if all(p.partition("=")[0] in (*SCORER_WEIGHTS, "kernel", "pooling") for p in parts):
             for p in parts:
                 check_variant(p)
             return variant
@@ -84,6 +89,10 @@ def check_variant(variant: str) -> str:
         if variant in ("base", "keep1", "keep1-ratio", "no-k4", *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
+            return variant
+        if name == "k4-floor" and 0 < float(value) <= 1:
+            return variant
+        if name == "table" and Path(value).is_file():
             return variant
         if name in SCORER_WEIGHTS and float(value) >= 0:
             return variant
@@ -99,13 +108,18 @@ def check_variant(variant: str) -> str:
 
 def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> RoutingPlan:
     """The plan a variant compresses with (see the module docstring)."""
-    if variant == "no-k4":
+    if variant == "no-k4" or variant.startswith("k4-floor="):
+        floor = 1.0 if variant == "no-k4" else float(variant.partition("=")[2])
         S = table.S.copy()
         for j, c in enumerate(table.grid.configs):
-            if c.k_bits == 4:
+            if c.k_bits == 4 and c.keep_ratio <= floor:
                 S[:, j] = BARRED_S
         barred = dataclasses.replace(table, S=S)
         return get_solver("greedy").solve(barred, budget, context_length=plan.context_length).plan
+    if variant.startswith("table="):
+        other = SensitivityTable.load(variant.partition("=")[2])
+        other.check_model(table.fingerprint)
+        return get_solver("greedy").solve(other, budget, context_length=plan.context_length).plan
     if variant in FAKE_K4:
         return dataclasses.replace(plan, layers=tuple(LayerConfig(c.keep_ratio, 16, c.v_bits) for c in plan.layers))
     if variant in ("keep1", "keep1-ratio"):
@@ -170,6 +184,10 @@ def scorer_kwargs(variant: str) -> dict[str, Any]:
     return {}
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="niah_single")
@@ -217,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                     measured_bytes=measured, answers=list(ex.answers)))
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         print(f"example {i + 1}/{args.n}: " + ", ".join(
-            f"{v} {100 * sum(r['score'] for r in records if r['variant'] == v) / (i + 1):.1f}%" for v in variants),
-            file=sys.stderr, flush=True)
+            f"{v} {100 * _mean([r['score'] for r in records if r['variant'] == v and r['index'] <= i]):.1f}%"
+            for v in variants), file=sys.stderr, flush=True)
     lines = [f"{args.task} at {args.length} tokens, {args.setting}, {args.budget}: accuracy % [95% interval]", "",
              "| variant | n | accuracy | measured cache (mean) |", "| --- | ---: | ---: | ---: |"]
     for v in variants:

@@ -12,7 +12,9 @@ post-RoPE K/V, the last ``window`` queries and the pre-RoPE query statistics. Th
    residual window and 16-bit sides included);
 4. for every (K bits, V bits) pair compute the window queries' attention over the compressed K/V (softmax
    shared per K bits), masked by position (a query sees kept keys at or before its own position), and
-   take the relative L2 error against the same computation on the uncompressed K/V.
+   take the relative L2 error against the same computation on the uncompressed K/V (``measure="l2"``, the
+   default); or, with ``measure="top1"``, the share of (query, head) rows whose highest-logit key over the
+   compressed K is not the one over the uncompressed K (V plays no part).
 
 ``S`` is the mean over sequences, made monotone in keep ratio (:mod:`moend_fx.calibration.monotone`); per-layer
 gains follow (:mod:`moend_fx.calibration.gains`; ``gain_probe=None`` skips them). Trig's query statistics
@@ -37,6 +39,7 @@ from moend_fx.calibration.settings import CALIBRATION_VERSION, CalibrationSettin
 from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.defaults import GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
+from moend_fx.common.options import SensitivityMeasure
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import SCORERS, build_scorer
 from moend_fx.plan.memory import keep_count
@@ -63,6 +66,17 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, values: list[torch.Tensor
     return [torch.matmul(probs, v.float().unsqueeze(2)) for v in values]
 
 
+def window_top1(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The position of each window query's highest-logit allowed key: q [B, H, W, D]; k [B, Hkv, n, D]; positions
+    [B, Hkv, n] of those keys; allowed: bool [B, Hkv, 1|G, W, n]. Returns [B, Hkv, G, W] int64 (GQA order).
+    The softmax scale does not move an argmax, so none is applied."""
+    b, h, w, d = q.shape
+    hkv = k.shape[1]
+    logits = torch.matmul(q.float().reshape(b, hkv, h // hkv, w, d), k.float().unsqueeze(2).transpose(-1, -2))
+    best = logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1)  # [B, Hkv, G, W]
+    return positions[:, :, None, :].expand(b, hkv, h // hkv, positions.shape[-1]).gather(-1, best)
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor, ref_norm: float) -> float:
     return float((out.double() - ref.double()).norm()) / ref_norm
 
@@ -82,9 +96,10 @@ def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, ke
 
 def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int = GROUP_SIZE,
                  sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                 extra: tuple[LayerConfig, ...] = ()) -> np.ndarray:
-    """Relative L2 error of the window queries' attention output for every grid config, then for each config of
-    ``extra`` (configs outside the grid, e.g. the gain probe): [C + len(extra)] float64."""
+                 extra: tuple[LayerConfig, ...] = (), measure: str = SensitivityMeasure.L2) -> np.ndarray:
+    """Relative L2 error of the window queries' attention output (``measure="l2"``) or their top-1 key miss rate
+    (``"top1"``, see the module docstring) for every grid config, then for each config of ``extra`` (configs
+    outside the grid, e.g. the gain probe): [C + len(extra)] float64."""
     axes = [(getattr(grid, f), [getattr(c, n) for c in extra]) for f, n in
             (("keep_ratios", "keep_ratio"), ("k_bits", "k_bits"), ("v_bits", "v_bits"))]
     measured = Grid(*(vals + tuple(dict.fromkeys(m for m in more if m not in vals)) for vals, more in axes))
@@ -95,6 +110,9 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
         kp = cap.key_positions[:, None, :].expand(b, hkv, t) if pos is None else pos
         return (kp[:, :, None, None, :] <= qpos[:, None, None, :, None])  # [B, Hkv, 1, W, n]
 
+    top1 = SensitivityMeasure(measure) == SensitivityMeasure.TOP1
+    full_pos = cap.key_positions[:, None, :].expand(b, hkv, t)
+    ref_top = window_top1(q, cap.keys, full_pos, allowed_for(None)) if top1 else None
     (ref,) = window_attention(q, cap.keys, [cap.values], allowed_for(None), cap.scaling)
     ref_norm = float(ref.double().norm())
     if ref_norm == 0.0:
@@ -109,6 +127,13 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
     for keep in measured.keep_ratios:
         k, v, pos = kept_tokens(cap, scores, keep, sink_tokens, recent_tokens)
         allowed = allowed_for(pos)
+        if top1:
+            for kb in measured.k_bits:
+                kk = compress_side(k, v, pos, keep, kb, "k", group_size)
+                got = window_top1(q, kk, full_pos if pos is None else pos, allowed)
+                miss = float((got != ref_top).double().mean())
+                errs.update({LayerConfig(keep, kb, vb): miss for vb in measured.v_bits})
+            continue
         vs = [compress_side(k, v, pos, keep, vb, "v", group_size) for vb in measured.v_bits]
         for kb in measured.k_bits:
             kk = compress_side(k, v, pos, keep, kb, "k", group_size)
@@ -170,12 +195,21 @@ def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: Ca
                     scorer = build_scorer(settings.scorer, rope=rope, stats=stats.get(layer))
                     total[layer] += layer_errors(lc, grid, scorer, group_size=settings.group_size,
                                                  sink_tokens=settings.sink_tokens,
-                                                 recent_tokens=settings.recent_tokens, extra=extra)
+                                                 recent_tokens=settings.recent_tokens, extra=extra,
+                                                 measure=settings.measure)
                     del lc
                     bar.update(1)
     finally:
         bar.close()
     return total
+
+
+_METRIC = {
+    SensitivityMeasure.L2: "relative L2 error of the attention output of the last `window` queries, one layer "
+                           "compressed at a time",
+    SensitivityMeasure.TOP1: "share of the last `window` queries' (query, head) rows whose highest-logit key "
+                             "changes, one layer compressed at a time",
+}
 
 
 def calibrate(
@@ -210,8 +244,7 @@ def calibrate(
                    "scorer_options": scorer_options(settings.scorer), "monotone": monotone,
                    "setting": str(SCORERS[settings.scorer].setting),
                    "context_length": settings.tokens, "source": source,
-                   "metric": "relative L2 error of the attention output of the last `window` queries, "
-                             "one layer compressed at a time",
+                   "metric": _METRIC[SensitivityMeasure(settings.measure)],
                    "gains": gains}
     table = SensitivityTable(S=S, grid=grid, fingerprint=fp, group_size=settings.group_size,
                              calibration=calibration, query_stats=stats_to_arrays(stats))

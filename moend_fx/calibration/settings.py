@@ -11,7 +11,7 @@ from moend_fx.calibration.gains import RECOMMENDED_PROBE
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ScorerName
+from moend_fx.common.options import ScorerName, SensitivityMeasure
 from moend_fx.eviction.scorers import SCORERS, default_options
 from moend_fx.plan.routing import LayerConfig
 
@@ -35,7 +35,9 @@ class CalibrationSettings:
     (``moend_fx.calibration.data.retrieval_tail``), so their measured queries retrieve facts; the others stay
     plain text (random ids have no records). None (the default): every sequence; 0: none
     (docs/calibration.md, "Calibration text", for what each costs). gain_probe: the config name whose one-layer KL sets
-    per-layer gains (:mod:`moend_fx.calibration.gains`; any config), or None for the paper's ``sum S``."""
+    per-layer gains (:mod:`moend_fx.calibration.gains`; any config), or None for the paper's ``sum S``.
+    measure: what S measures (:class:`~moend_fx.common.options.SensitivityMeasure`); ``top1`` sees no V error
+    (values do not choose the winning key), so a grid's V bits all cost alike there."""
 
     tokens: int = CALIBRATION_TOKENS
     num_sequences: int = 2
@@ -47,6 +49,7 @@ class CalibrationSettings:
     recent_tokens: int = RECENT_TOKENS
     retrieval_tails: int | None = None
     gain_probe: str | None = RECOMMENDED_PROBE
+    measure: SensitivityMeasure = SensitivityMeasure.L2
 
     def __post_init__(self) -> None:
         for name in ("tokens", "num_sequences", "window"):
@@ -60,6 +63,7 @@ class CalibrationSettings:
                 raise MoendError(f"retrieval_tails={self.retrieval_tails} is invalid with num_sequences="
                                  f"{self.num_sequences}; allowed: 0 to {self.num_sequences}")
         object.__setattr__(self, "scorer", check_choice("scorer", self.scorer, ScorerName))
+        object.__setattr__(self, "measure", check_choice("measure", self.measure, SensitivityMeasure))
         if self.gain_probe is not None:
             probe = LayerConfig.from_name(self.gain_probe, "gain_probe")
             if probe.lossless:

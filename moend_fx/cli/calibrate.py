@@ -15,7 +15,7 @@ from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import DEFAULT_TABLE_HINT, default_table_path, table_context_length
 from moend_fx.cli.args import csv_list, names, positive_int
 from moend_fx.common.defaults import DEFAULT_MODEL
-from moend_fx.common.options import ScorerName, Setting
+from moend_fx.common.options import ScorerName, SensitivityMeasure, Setting
 from moend_fx.plan.config import LayerConfig
 from moend_fx.plan.memory import DEFAULT_KEEP_FLOOR, full_cache_bytes, keep_count, plan_layer_parts
 from moend_fx.plan.summary import parts_cells, parts_header
@@ -33,7 +33,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # checked before the model loads, so a bad value fails at once with the allowed range
     settings = CalibrationSettings(tokens=args.tokens, num_sequences=args.sequences, scorer=scorer, seed=args.seed,
                                    window=args.window, retrieval_tails=args.retrieval_tails,
-                                   gain_probe=None if args.no_gains else args.gain_probe)
+                                   gain_probe=None if args.no_gains else args.gain_probe, measure=args.measure)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
@@ -205,6 +205,10 @@ def register(subparsers: Any) -> None:
                    help="config (keep<ratio>_k<bits>_v<bits>) whose end-to-end KL, one layer at a time, sets the "
                         "per-layer gains: the predicted loss is sum gain * S^2 (default %(default)s; "
                         "docs/calibration.md, 'Gains')")
+    p.add_argument("--measure", default=str(cal.measure), choices=names(SensitivityMeasure),
+                   help="what S measures: l2 (the attention output's relative L2 error, the paper's) or top1 (the "
+                        "share of query rows whose most-attended key changes; sees no V error); default "
+                        "%(default)s (docs/calibration.md, 'What S measures')")
     p.add_argument("--no-gains", action="store_true",
                    help="no per-layer gains: the predicted loss is the paper's sum of S (~5x faster)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")

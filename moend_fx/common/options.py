@@ -43,6 +43,11 @@ Kernel = option_set(
 InnerCompiler = option_set(
     "InnerCompiler", "The compiler the ``moend`` backend hands the rewritten graph to.",
     "inductor", "aot_eager", "eager")
+SensitivityMeasure = option_set(
+    "SensitivityMeasure", "What a sensitivity table's S measures per layer and config over the calibration window's "
+    "queries: ``l2``, the attention output's relative L2 error (the paper's), or ``top1``, the share of (query, "
+    "head) rows whose most-attended key under compression is not the one at full precision (what a retrieval "
+    "needs: the fact's key winning a sharp softmax).", "l2", "top1")
 Setting = option_set(
     "Setting", "When compression happens relative to the question (see docs/evaluation.md).",
     "query_aware", "query_agnostic")

@@ -293,3 +293,57 @@ def test_text_calibration_with_a_tokenizer(model):
     assert not set(src["licenses"]) & set(src_h["licenses"])  # disjoint licence halves
     t = calibrate(model, ByteTok(), tokens=300, num_sequences=1, grid=Grid((0.5, 1.0), (16,), (16,)))
     assert t.calibration["source"]["kind"] == "text"
+
+
+# --------------------------------------------------------------------------- measure="top1"
+
+
+def test_window_top1_matches_a_loop_over_rows():
+    """window_top1 against a plain per-row argmax over the allowed keys (random keys at scattered positions)."""
+    from moend_fx.calibration.pipeline import window_top1
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 6, 7, 16, generator=g)
+    k = torch.randn(2, 3, 20, 16, generator=g)
+    pos = torch.sort(torch.randperm(60, generator=g)[:20]).values.expand(2, 3, 20).contiguous()
+    qpos = torch.arange(53, 60).expand(2, 7)
+    allowed = pos[:, :, None, None, :] <= qpos[:, None, None, :, None]
+    got = window_top1(q, k, pos, allowed)
+    for b in range(2):
+        for h in range(6):
+            for w in range(7):
+                kv = h // 2
+                logits = k[b, kv] @ q[b, h, w]
+                logits[pos[b, kv] > qpos[b, w]] = float("-inf")
+                assert got[b, kv, h % 2, w] == pos[b, kv, int(logits.argmax())]
+
+
+def test_top1_measure_counts_changed_winners_and_ignores_values(model):
+    c = _captured(model, 160, seed=5, window=32, layer=1)
+    grid = Grid((0.25, 1.0), (16, 4), (16, 4))
+    scorer = get_scorer("keynorm")
+    top1 = layer_errors(c, grid, scorer, measure="top1")
+    l2 = layer_errors(c, grid, scorer)
+    assert ((top1 >= 0) & (top1 <= 1)).all()
+    rows = c.queries.shape[1] * c.queries.shape[2]  # heads x window queries
+    assert np.allclose(top1 * rows, np.round(top1 * rows))  # a share of rows
+    # fp16 storage may flip a near-tie (1 row of 128 here); 4-bit K flips many more
+    assert top1[grid.index(LayerConfig(1.0, 16, 16))] <= 2 / rows < top1[grid.index(LayerConfig(1.0, 4, 16))]
+    for keep, kb in [(0.25, 16), (0.25, 4), (1.0, 4)]:
+        # V plays no part in which key wins; the L2 measure does see V's bits
+        assert top1[grid.index(LayerConfig(keep, kb, 16))] == top1[grid.index(LayerConfig(keep, kb, 4))]
+    assert l2[grid.index(LayerConfig(1.0, 16, 4))] > l2[grid.index(LayerConfig(1.0, 16, 16))]
+    assert top1[grid.index(LayerConfig(0.25, 16, 16))] > 0  # evicting 75% of random keys loses some winners
+
+
+def test_top1_table_records_its_measure(model):
+    t = calibrate(model, tokens=96, num_sequences=1, grid=Grid((0.5, 1.0), (16, 4), (16,)), measure="top1",
+                  gain_probe=None)
+    assert t.calibration["measure"] == "top1" and "highest-logit key" in t.calibration["metric"]
+    assert calibrate(model, tokens=96, num_sequences=1, grid=Grid((1.0,), (16,), (16,)),
+                     gain_probe=None).calibration["measure"] == "l2"
+
+
+def test_unknown_measure_is_a_clear_error():
+    with pytest.raises(MoendError, match="measure.*allowed.*l2.*top1"):
+        CalibrationSettings(measure="kl")

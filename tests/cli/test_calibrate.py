@@ -64,6 +64,21 @@ def test_calibrate_measures_gains_by_default_and_not_with_no_gains(tmp_path, cap
             assert (table.gain > 0).all() and table.gain.shape == (table.num_layers,)
 
 
+def test_calibrate_measure_top1_is_recorded_in_the_table(tmp_path, capsys):
+    from moend_fx.calibration.sensitivity import SensitivityTable
+    from tests.models.helpers import save_tiny_folder
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    save_tiny_folder(folder, "llama-gqa3-hd64")
+    out = tmp_path / "top1.safetensors"
+    assert main(["calibrate", "--model", str(folder), "--tokens", "128", "--sequences", "1", "--quiet",
+                 "--no-gains", "--measure", "top1", "--out", str(out)]) == 0
+    table = SensitivityTable.load(out)
+    assert table.calibration["measure"] == "top1"
+    assert ((table.S >= 0) & (table.S <= 1)).all()  # shares of rows
+
+
 @pytest.mark.parametrize("extra, named", [(["--retrieval-tails", "5"], "retrieval_tails=5"),
                                           (["--gain-probe", "keep1.0_k16_v16"], "gain_probe")])
 def test_calibrate_rejects_bad_settings_before_loading_the_model(monkeypatch, capsys, tmp_path, extra, named):

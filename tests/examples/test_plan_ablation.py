@@ -50,6 +50,32 @@ def test_no_k4_is_the_greedy_plan_without_4_bit_keys_within_the_same_budget(abla
     assert barred.budget_bytes == plan.budget_bytes and plan_bytes(barred) <= barred.budget_bytes
 
 
+def test_k4_floor_bars_4_bit_keys_only_at_and_below_its_keep_ratio(ablation, solved):
+    table, plan = solved
+    floor = ablation.variant_plan(plan, "k4-floor=0.25", table, "14x")
+    assert all(c.k_bits != 4 for c in floor.layers if c.keep_ratio <= 0.25)
+    # a floor below every keep ratio bars nothing: the greedy plan itself
+    assert ablation.variant_plan(plan, "k4-floor=0.05", table, "14x").layers == plan.layers
+    assert floor.budget_bytes == plan.budget_bytes and plan_bytes(floor) <= floor.budget_bytes
+    assert ablation.variant_plan(plan, "k4-floor=1", table, "14x") == ablation.variant_plan(plan, "no-k4", table,
+                                                                                             "14x")
+
+
+def test_table_variant_solves_the_same_budget_on_the_other_table(ablation, solved, tmp_path):
+    import dataclasses
+
+    table, plan = solved
+    S = table.S.copy()
+    S[:, [j for j, c in enumerate(table.grid.configs) if c.k_bits == 4]] = 10.0
+    path = tmp_path / "other.safetensors"
+    dataclasses.replace(table, S=S).save(path)
+    variant = ablation.check_variant(f"table={path}")
+    other = ablation.variant_plan(plan, variant, table, "14x")
+    assert other.layers == ablation.variant_plan(plan, "no-k4", table, "14x").layers
+    with pytest.raises(MoendError, match="allowed: .*table=PATH"):
+        ablation.check_variant(f"table={tmp_path / 'missing.safetensors'}")
+
+
 def test_scorer_variants_parse_their_option(ablation):
     assert ablation.scorer_kwargs("kernel=17") == {"kernel_size": 17}
     assert ablation.scorer_kwargs("trig-weight=0.5") == {"trig_weight": 0.5}
@@ -62,7 +88,7 @@ def test_scorer_variants_parse_their_option(ablation):
 
 @pytest.mark.parametrize("bad", ["k8x4", "k3v4", "k8v4v2", "kernel=4", "kernel=x", "trig-weight=-1", "foo", "",
                                  "value-weight=-1", "diversity-weight=-1", "pooling=min", "k8v4+kernel=3",
-                                 "value-weight=1+foo=2"])
+                                 "value-weight=1+foo=2", "k4-floor=0", "k4-floor=1.5", "k4-floor=0.25+kernel=3"])
 def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, bad):
     with pytest.raises(MoendError, match="allowed: base, keep1, keep1-ratio, no-k4"):
         ablation.check_variant(bad)
@@ -70,7 +96,8 @@ def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, b
 
 @pytest.mark.parametrize("good", ["base", "keep1", "keep1-ratio", "no-k4", "diversity-weight=0.5", "k8v4", "k16v16",
                                   "kernel=17", "trig-weight=0.5",
-                                  "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg"])
+                                  "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg",
+                                  "k4-floor=0.25"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
 
