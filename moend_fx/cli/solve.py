@@ -22,6 +22,7 @@ from moend_fx.plan.memory import format_bytes, keep_count, keep_floor, plan_part
 from moend_fx.plan.summary import parts_cells, parts_header, parts_shares, sum_parts
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import SolveResult, full_cache_figures
+from moend_fx.solvers.last_resort import NARROW_K_BITS, NARROW_K_MIN_KEEP
 from moend_fx.solvers.optuna_search import Sampler
 
 
@@ -71,6 +72,9 @@ def plan_table_text(res: SolveResult, table: SensitivityTable) -> str:
         f"solver: {res.solver}, {res.wall_time_s * 1e3:.2f} ms, {res.iterations} iterations"
         + ("" if "optimal" not in res.info else f", optimal: {res.info['optimal']}"),
     ]
+    if res.info.get("last_resort_layers"):
+        lines.append(f"last resort: {res.info['last_resort_layers']} layer(s) hold keys of <= {NARROW_K_BITS} bits "
+                     "below the solver's narrow_k_min_keep (no plan without them fits the budget)")
     return "\n".join(lines)
 
 
@@ -78,6 +82,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     table = load_table(args.table)
     ctx = _context(args, table)
     opts = _optuna_options(args) | {"n_trials": args.trials} if args.solver == "optuna" else {}
+    opts["narrow_k_min_keep"] = args.narrow_k_min_keep
     res = get_solver(args.solver, **opts).solve(table, args.budget, context_length=ctx)
     if args.out:
         res.plan.save(args.out)
@@ -144,6 +149,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--solver", default="greedy", choices=list(SOLVERS))
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.add_argument("--trials", type=int, default=200, help="optuna trials")
+    p.add_argument("--narrow-k-min-keep", type=float, default=NARROW_K_MIN_KEEP,
+                   help=f"keys of <= {NARROW_K_BITS} bits on layers keeping fewer than this share of tokens are a "
+                        f"last resort, used only where nothing else fits (default {NARROW_K_MIN_KEEP}; 0: no rule)")
     p.set_defaults(func=cmd_solve)
 
     c = subparsers.add_parser("compare-solvers", help="run every solver on one table and several budgets",

@@ -238,6 +238,12 @@ class PlanEntry:
     infeasible: str | None = None
 
 
+def _pyramid_key(res: Any) -> tuple[int, float, int]:
+    """Which bit pair's pyramid is best: the fewest last-resort layers (the solvers' own rule, see
+    :mod:`moend_fx.solvers.last_resort`), then the lowest predicted loss, then the fewest bytes."""
+    return res.info.get("last_resort_layers", 0), res.predicted_loss, res.bytes_used
+
+
 class PlanBook:
     """Plans from the calibrated table, solved once per (method, budget, context length) and cached."""
 
@@ -264,7 +270,7 @@ class PlanBook:
         return PlanEntry(res.plan, parsed.bytes, res.predicted_loss, res.wall_time_s)
 
     def _best_pyramid(self, budget_bytes: int, budget: str, length: int) -> PlanEntry:
-        """PyramidSolver at every (K, V) bit pair of the grid; the lowest predicted loss that fits (the
+        """PyramidSolver at every (K, V) bit pair of the grid; the best that fits by :func:`_pyramid_key` (the
         strongest member of the family, like the other uniform baselines)."""
         best, why = None, None
         for kb in self.table.grid.k_bits:
@@ -275,7 +281,7 @@ class PlanBook:
                 except BudgetError as e:
                     why = why or str(e)
                     continue
-                if best is None or (res.predicted_loss, res.bytes_used) < (best.predicted_loss, best.bytes_used):
+                if best is None or _pyramid_key(res) < _pyramid_key(best):
                     best = res
         if best is None:
             return PlanEntry(None, budget_bytes, infeasible=why)

@@ -22,6 +22,7 @@ from moend_fx.common.errors import BudgetError, MoendError
 from moend_fx.common.options import ScorerName
 from moend_fx.plan.memory import Budget, format_bytes, full_cache_bytes, parse_budget
 from moend_fx.plan.routing import Grid, RoutingPlan
+from moend_fx.solvers.last_resort import NARROW_K_MIN_KEEP, check_min_keep, last_resort_columns, with_surcharge
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,16 @@ def plan_bytes_of(B: np.ndarray, indices: np.ndarray | tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class Solver:
-    """Base class: subclasses are frozen dataclasses of options and implement :meth:`solve_arrays`."""
+    """Base class: subclasses are frozen dataclasses of options and implement :meth:`solve_arrays`.
+
+    ``narrow_k_min_keep``: keys of 4 bits or fewer on a layer that keeps fewer than this share of its tokens are
+    a last resort (:mod:`moend_fx.solvers.last_resort`): :meth:`solve` hands :meth:`solve_arrays` a loss with
+    those configs surcharged, so a plan uses them only where nothing else fits; 0 turns the rule off. The
+    plan's ``predicted_loss`` is always the table's own.
+    """
 
     name: ClassVar[str] = "base"
+    narrow_k_min_keep: float = NARROW_K_MIN_KEEP
 
     def solve_arrays(self, S: np.ndarray, B: np.ndarray, budget: int, grid: Grid | None = None) -> ArraySolution:
         """Pick one config per layer. S: [L, C] float64; B: [L, C] int64; ``budget`` in bytes.
@@ -152,8 +160,9 @@ class Solver:
         if S.shape != (fp.num_layers, len(table.grid)):
             raise MoendError(f"table S has shape {S.shape}; expected [num_layers={fp.num_layers}, "
                              f"configs={len(table.grid)}]")
+        barred = last_resort_columns(table.grid, check_min_keep(self.narrow_k_min_keep))
         t0 = time.perf_counter()
-        sol = self.solve_arrays(S, B, parsed.bytes, table.grid)
+        sol = self.solve_arrays(with_surcharge(S, barred), B, parsed.bytes, table.grid)
         wall = time.perf_counter() - t0
         idx = tuple(int(i) for i in sol.indices)
         loss = plan_loss(S, idx)
@@ -174,7 +183,8 @@ class Solver:
             bytes_planned=plan_bytes_of(B, idx) if batch == 1 else plan_bytes_of(
                 table.bytes_matrix(context_length, 1), idx),
         )
-        return SolveResult(plan, idx, loss, used, parsed, wall, sol.iterations, dict(sol.info))
+        info = {**sol.info, "last_resort_layers": int(barred[list(idx)].sum())}
+        return SolveResult(plan, idx, loss, used, parsed, wall, sol.iterations, info)
 
 
 def full_cache_figures(table: SensitivityTable, context_length: int, batch: int = 1) -> dict[str, int]:

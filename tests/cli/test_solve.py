@@ -86,3 +86,25 @@ def test_solve_prints_bytes_by_part_and_totals_equal_plan_bytes(tmp_path, capsys
     pct = [float(x.rstrip("%")) for x in share[1:]]
     assert pct == pytest.approx([100 * v / total_cells[6] for v in total_cells], abs=0.051)
     assert f"trig {'with' if stats else 'without'} calibrated query statistics" in text
+
+
+def test_narrow_k_min_keep_sets_the_last_resort_rule(tmp_path, capsys):
+    def solve(*extra, budget="14x"):
+        out = tmp_path / "plan.json"
+        assert main(["solve", "--table", "synthetic:30:0", "--budget", budget, "--context-length", "2048",
+                     "--out", str(out), *extra]) == 0
+        return RoutingPlan.load(out), capsys.readouterr().out
+
+    narrow_low = lambda plan: sum(c.k_bits <= 4 and c.keep_ratio < 0.5 for c in plan.layers)  # noqa: E731
+    default, text = solve()
+    assert narrow_low(default) == 0 and "last resort" not in text
+    off, _ = solve("--narrow-k-min-keep", "0")
+    assert narrow_low(off) > 0
+    # 16x: between the least bytes without a last-resort layer (14.4x here) and with them (17.3x); the text says so
+    tight, text = solve(budget="16x")
+    assert narrow_low(tight) > 0 and f"last resort: {narrow_low(tight)} layer(s)" in text
+
+
+def test_a_bad_narrow_k_min_keep_is_a_clear_error(capsys):
+    assert main(["solve", "--table", "synthetic:4", "--budget", "4x", "--narrow-k-min-keep", "2"]) == 2
+    assert "allowed: a number in [0, 1]" in capsys.readouterr().err

@@ -44,7 +44,8 @@ def test_bit_and_keep_variants_change_only_what_they_name(ablation, solved):
 
 def test_no_k4_is_the_greedy_plan_without_4_bit_keys_within_the_same_budget(ablation, solved):
     table, plan = solved
-    assert any(c.k_bits == 4 for c in plan.layers)  # else the variant would test nothing
+    # the plan without the last-resort rule uses 4-bit keys, else the variant would test nothing
+    assert any(c.k_bits == 4 for c in ablation.variant_plan(plan, "narrow-k-anywhere", table, "14x").layers)
     barred = ablation.variant_plan(plan, "no-k4", table, "14x")
     assert all(c.k_bits != 4 for c in barred.layers)
     assert barred.budget_bytes == plan.budget_bytes and plan_bytes(barred) <= barred.budget_bytes
@@ -54,11 +55,22 @@ def test_k4_floor_bars_4_bit_keys_only_at_and_below_its_keep_ratio(ablation, sol
     table, plan = solved
     floor = ablation.variant_plan(plan, "k4-floor=0.25", table, "14x")
     assert all(c.k_bits != 4 for c in floor.layers if c.keep_ratio <= 0.25)
-    # a floor below every keep ratio bars nothing: the greedy plan itself
-    assert ablation.variant_plan(plan, "k4-floor=0.05", table, "14x").layers == plan.layers
+    # a floor below every keep ratio bars nothing: the greedy plan without the last-resort rule
+    assert (ablation.variant_plan(plan, "k4-floor=0.05", table, "14x").layers
+            == ablation.variant_plan(plan, "narrow-k-anywhere", table, "14x").layers)
     assert floor.budget_bytes == plan.budget_bytes and plan_bytes(floor) <= floor.budget_bytes
     assert ablation.variant_plan(plan, "k4-floor=1", table, "14x") == ablation.variant_plan(plan, "no-k4", table,
                                                                                              "14x")
+
+
+def test_narrow_k_anywhere_is_the_greedy_plan_without_the_last_resort_rule(ablation, solved):
+    table, plan = solved
+    assert not any(c.k_bits <= 4 and c.keep_ratio < 0.5 for c in plan.layers)  # the rule holds by default
+    anywhere = ablation.variant_plan(plan, "narrow-k-anywhere", table, "14x")
+    assert any(c.k_bits <= 4 and c.keep_ratio < 0.5 for c in anywhere.layers)  # else this tests nothing
+    assert anywhere.layers == get_solver("greedy", narrow_k_min_keep=0).solve(table, "14x",
+                                                                              context_length=2048).plan.layers
+    assert anywhere.budget_bytes == plan.budget_bytes and plan_bytes(anywhere) <= anywhere.budget_bytes
 
 
 def test_table_variant_solves_the_same_budget_on_the_other_table(ablation, solved, tmp_path):
@@ -97,7 +109,7 @@ def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, b
 @pytest.mark.parametrize("good", ["base", "keep1", "keep1-ratio", "no-k4", "diversity-weight=0.5", "k8v4", "k16v16",
                                   "kernel=17", "trig-weight=0.5",
                                   "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg",
-                                  "k4-floor=0.25"])
+                                  "k4-floor=0.25", "narrow-k-anywhere"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
 

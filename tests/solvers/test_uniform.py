@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from moend_fx.common.errors import BudgetError, PlanError
 from moend_fx.plan.routing import Grid
 from moend_fx.solvers import get_solver
+from moend_fx.solvers.last_resort import NARROW_K_MIN_KEEP, last_resort_columns
 from moend_fx.solvers.uniform import pyramid_keeps, snap_down
 from tests.solvers.helpers import small_table
 
@@ -49,13 +50,16 @@ def test_uniform_baselines_are_best_in_family(seed, ratio):
     B, S, cfg = t.bytes_matrix(CTX), t.S, t.grid.configs
     rows = np.arange(3)
 
+    last_resort = last_resort_columns(t.grid, NARROW_K_MIN_KEEP)
+
     def best(pred):
+        """(last-resort layers, loss) of the family's best plan: the fewest last-resort layers, then least loss."""
         out = None
         for idx in itertools.product(range(len(cfg)), repeat=3):
             cs = [cfg[i] for i in idx]
             if pred(cs) and B[rows, idx].sum() <= budget:
-                loss = S[rows, idx].sum()
-                out = loss if out is None else min(out, loss)
+                key = (int(last_resort[list(idx)].sum()), S[rows, idx].sum())
+                out = key if out is None else min(out, key)
         return out
 
     fams = {"2d_uniform": lambda cs: len(set(cs)) == 1, "2d": lambda cs: len({c.keep_ratio for c in cs}) == 1,
@@ -66,8 +70,9 @@ def test_uniform_baselines_are_best_in_family(seed, ratio):
             with pytest.raises(BudgetError):
                 get_solver(name).solve(t, budget, context_length=CTX)
         else:
-            got = get_solver(name).solve(t, budget, context_length=CTX).predicted_loss
-            assert got == pytest.approx(want, rel=RTOL, abs=1e-12), name
+            res = get_solver(name).solve(t, budget, context_length=CTX)
+            assert res.info["last_resort_layers"] == want[0], name
+            assert res.predicted_loss == pytest.approx(want[1], rel=RTOL, abs=1e-12), name
 
 
 def test_pyramid_schedule_and_snapping():

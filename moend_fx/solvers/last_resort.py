@@ -1,0 +1,44 @@
+"""Narrow keys at low keep ratios are a last resort: the rule every solver applies before it searches.
+
+A layer that keeps 10-25% of the prompt keeps the facts it will be asked for, and a retrieval is one of them
+winning a sharp softmax, which a 4-bit key moves. The table's S (the relative L2 error of the window's attention
+output) is dominated there by eviction's blurred averages and adds the two errors in quadrature, so it prices a
+4-bit key after eviction at almost nothing (a median 0.002 on an S of 0.69 at keep 0.1). Screened on retrieval,
+plans that avoid them answer 12 examples better and 3 worse over 9 screens with fewer bytes (docs/results.md,
+"Pricing 4-bit keys"). They stay in the grid, so a budget that no other plan fits still has one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moend_fx.common.errors import MoendError
+from moend_fx.plan.grid import Grid
+
+NARROW_K_BITS = 4
+"""K widths at or below this are *narrow*."""
+NARROW_K_MIN_KEEP = 0.5
+"""The default rule: narrow keys are a last resort on layers that keep fewer than half their tokens."""
+
+
+def check_min_keep(value: object) -> float:
+    """``value`` as a float if it is a number in [0, 1] (0: no rule), else :class:`MoendError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise MoendError(f"narrow_k_min_keep={value!r} is not allowed; allowed: a number in [0, 1] "
+                         "(0 = narrow keys at any keep ratio)")
+    return float(value)
+
+
+def last_resort_columns(grid: Grid, min_keep: float) -> np.ndarray:
+    """[C] bool: the grid's configs with K bits <= :data:`NARROW_K_BITS` at a keep ratio below ``min_keep``."""
+    return np.array([c.k_bits <= NARROW_K_BITS and c.keep_ratio < min_keep for c in grid.configs], dtype=bool)
+
+
+def with_surcharge(S: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """S [L, C] with ``columns`` [C] (bool) raised by more than any plan can gain elsewhere, so that a plan
+    minimising the sum uses as few of them as fit (exactly so for an exact solver), then the least loss:
+    the surcharge is 1 + sum over layers of (max - min) S."""
+    if not columns.any() or columns.all():
+        return S
+    surcharge = 1.0 + float((S.max(axis=1) - S.min(axis=1)).sum())
+    return S + surcharge * columns[None, :]
