@@ -5,7 +5,10 @@ winning a sharp softmax, which a 4-bit key moves. The table's S (the relative L2
 output) is dominated there by eviction's blurred averages and adds the two errors in quadrature, so it prices a
 4-bit key after eviction at almost nothing (a median 0.002 on an S of 0.69 at keep 0.1). Screened on retrieval,
 plans that avoid them answer 12 examples better and 3 worse over 9 screens with fewer bytes (docs/results.md,
-"Pricing 4-bit keys"). They stay in the grid, so a budget that no other plan fits still has one.
+"Pricing 4-bit keys"). They stay in the grid, so a budget that no other plan fits still has one. The trade,
+measured: the published evaluation gains at 2k-4k and loses at 8k, and on plain held-out text the greedy plans'
+continuation KL is 1.13-3.7x higher at 4x-16x (docs/results.md, "Narrow keys as a last resort"); pass
+``narrow_k_min_keep=0`` for the plans that minimise the table's predicted loss.
 """
 
 from __future__ import annotations
