@@ -8,10 +8,11 @@ that estimate query statistics). Each method then builds its cache from the *sam
 * ``hf_quant4`` / ``hf_fp8``: transformers' ``QuantizedCache`` (quanto 4-bit, group 64; fp8 per tensor),
   fed the prefill K/V exactly as its own ``update`` would be during a prefill. ``hf_quant4`` needs
   optimum-quanto; when it is absent the method is reported unavailable (never silently dropped).
-* ``1d``, ``2d_uniform``, ``2d``, ``pyramid``, ``2d_hetero`` (greedy), ``2d_hetero_exact`` (exact) and
-  ``lossless``: a :class:`~moend_fx.cache.moend_cache.MoENDCache` whose plan comes from the solver of the same family
-  on the calibrated table, solved for the example's own context length (:class:`PlanBook` caches plans
-  per (method, budget, length)).
+* ``1d``, ``2d_uniform``, ``2d``, ``pyramid``, ``2d_hetero`` (greedy), ``2d_hetero_exact`` (exact),
+  ``2d_hetero_anyk`` (greedy without the solvers' last-resort rule for 4-bit keys; a diagnosis, not in the
+  default list) and ``lossless``: a :class:`~moend_fx.cache.moend_cache.MoENDCache` whose plan comes from the
+  solver of the same family on the calibrated table, solved for the example's own context length
+  (:class:`PlanBook` caches plans per (method, budget, length)).
 
 The state tensors are never modified: every cache update in transformers and in ``PackedKV`` concatenates
 into new tensors, so handing the same tensors to several caches is a copy-free "copy" of the prefill.
@@ -77,6 +78,9 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                solver="pyramid"),
     MethodSpec("2d_hetero", "moend", "MoE-nD: per-layer eviction and bits, greedy plan", solver="greedy"),
     MethodSpec("2d_hetero_exact", "moend", "MoE-nD: per-layer eviction and bits, exact plan", solver="exact"),
+    # a diagnosis of the solvers' default, not a method of the paper: what the last-resort rule costs or buys
+    MethodSpec("2d_hetero_anyk", "moend", "MoE-nD greedy plan with 4-bit keys at any keep ratio (the solvers' "
+               "last-resort rule off)", solver="greedy", solver_options=dict(narrow_k_min_keep=0.0)),
 )}
 
 DEFAULT_METHODS = ("full", "hf_quant4", "hf_fp8", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero",

@@ -35,3 +35,14 @@ def test_the_pyramid_baseline_prefers_a_bit_pair_without_last_resort_layers():
     # without the rule a 4-bit-key pyramid predicts less loss: the order, not the loss alone, chose the pair
     plain = min(fits, key=lambda r: r.predicted_loss)
     assert plain.plan.layers[-1].k_bits == 4 and plain.predicted_loss < entry.predicted_loss
+
+
+def test_2d_hetero_anyk_is_the_greedy_plan_without_the_last_resort_rule():
+    t = _cheap_k4_table()
+    book = PlanBook(t)
+    anyk, default = book.get("2d_hetero_anyk", "14x", 2048), book.get("2d_hetero", "14x", 2048)
+    plain = get_solver("greedy", narrow_k_min_keep=0).solve(t, "14x", context_length=2048)
+    assert anyk.plan.layers == plain.plan.layers
+    narrow = [c for c in anyk.plan.layers if c.k_bits <= 4 and c.keep_ratio < 0.5]
+    assert narrow and anyk.plan.layers != default.plan.layers
+    assert not [c for c in default.plan.layers if c.k_bits <= 4 and c.keep_ratio < 0.5]

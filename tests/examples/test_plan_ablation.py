@@ -186,3 +186,10 @@ def test_fake_variants_hold_k_at_16_bits_and_keep_the_rest_of_the_plan(ablation,
         got = ablation.variant_plan(plan, v, table, "14x")
         assert [(c.keep_ratio, c.v_bits) for c in got.layers] == [(c.keep_ratio, c.v_bits) for c in plan.layers]
         assert {c.k_bits for c in got.layers} == {16}
+
+
+def test_seed_selects_held_out_examples_and_defaults_to_the_evaluations(ablation):
+    default = ablation.eval_config(ablation.parse_args(["--out", "x"]))
+    held_out = ablation.eval_config(ablation.parse_args(["--out", "x", "--seed", "1", "--length", "4096"]))
+    assert default.seed == 0 and held_out.seed == 1
+    assert held_out.lengths == (4096,) and held_out.methods == ("2d_hetero",)
