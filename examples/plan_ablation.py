@@ -15,6 +15,9 @@ table's greedy plan for the example's length:
   ``k4-floor=R``: the same with only the 4-bit-K configs of keep ratio <= R barred (``no-k4`` is ``k4-floor=1``);
   both with the solvers' last-resort rule off, so only the bar applies; ``narrow-k-anywhere``: the greedy plan
   with that rule off (``narrow_k_min_keep=0``: 4-bit keys at any keep ratio, the default before the rule);
+  ``last-resort-every-length``: the greedy plan with the rule at every context length (``narrow_k_max_context=0``;
+  by default it covers plans for contexts up to 4096 tokens only, so at 8k this is the rule's plan and ``base``
+  the plan without it);
 * ``table=PATH``: the greedy plan for the same budget on another table of this model (a safetensors table file,
   e.g. one whose S was measured otherwise), the cache's scorer and statistics unchanged;
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
@@ -69,8 +72,8 @@ FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
 # scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's weights
 SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight",
                   "diversity-weight": "diversity_weight"}
-ALLOWED = ("base, keep1, keep1-ratio, no-k4, narrow-k-anywhere, k4-floor=R (0 < R <= 1), table=PATH, "
-           "kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+ALLOWED = ("base, keep1, keep1-ratio, no-k4, narrow-k-anywhere, last-resort-every-length, k4-floor=R (0 < R <= 1), "
+           "table=PATH, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", " + ", ".join(FAKE_K4))
 
 
@@ -88,7 +91,8 @@ def check_variant(variant: str) -> str:
                          f"allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
-        if variant in ("base", "keep1", "keep1-ratio", "no-k4", "narrow-k-anywhere", *FAKE_K4):
+        if variant in ("base", "keep1", "keep1-ratio", "no-k4", "narrow-k-anywhere", "last-resort-every-length",
+                       *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
@@ -121,6 +125,9 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
                                                                  context_length=plan.context_length).plan
     if variant == "narrow-k-anywhere":
         return get_solver("greedy", narrow_k_min_keep=0.0).solve(table, budget,
+                                                                 context_length=plan.context_length).plan
+    if variant == "last-resort-every-length":
+        return get_solver("greedy", narrow_k_max_context=0).solve(table, budget,
                                                                  context_length=plan.context_length).plan
     if variant.startswith("table="):
         other = SensitivityTable.load(variant.partition("=")[2])

@@ -22,7 +22,7 @@ from moend_fx.plan.memory import format_bytes, keep_count, keep_floor, plan_part
 from moend_fx.plan.summary import parts_cells, parts_header, parts_shares, sum_parts
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import SolveResult, full_cache_figures
-from moend_fx.solvers.last_resort import NARROW_K_BITS, NARROW_K_MIN_KEEP
+from moend_fx.solvers.last_resort import NARROW_K_BITS, NARROW_K_MAX_CONTEXT, NARROW_K_MIN_KEEP
 from moend_fx.solvers.optuna_search import Sampler
 
 
@@ -83,6 +83,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     ctx = _context(args, table)
     opts = _optuna_options(args) | {"n_trials": args.trials} if args.solver == "optuna" else {}
     opts["narrow_k_min_keep"] = args.narrow_k_min_keep
+    opts["narrow_k_max_context"] = args.narrow_k_max_context
     res = get_solver(args.solver, **opts).solve(table, args.budget, context_length=ctx)
     if args.out:
         res.plan.save(args.out)
@@ -152,6 +153,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--narrow-k-min-keep", type=float, default=NARROW_K_MIN_KEEP,
                    help=f"keys of <= {NARROW_K_BITS} bits on layers keeping fewer than this share of tokens are a "
                         f"last resort, used only where nothing else fits (default {NARROW_K_MIN_KEEP}; 0: no rule)")
+    p.add_argument("--narrow-k-max-context", type=int, default=NARROW_K_MAX_CONTEXT,
+                   help="the last-resort rule covers plans for contexts of at most this many tokens (default "
+                        f"{NARROW_K_MAX_CONTEXT}; 0: every length)")
     p.set_defaults(func=cmd_solve)
 
     c = subparsers.add_parser("compare-solvers", help="run every solver on one table and several budgets",

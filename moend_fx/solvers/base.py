@@ -22,7 +22,13 @@ from moend_fx.common.errors import BudgetError, MoendError
 from moend_fx.common.options import ScorerName
 from moend_fx.plan.memory import Budget, format_bytes, full_cache_bytes, parse_budget
 from moend_fx.plan.routing import Grid, RoutingPlan
-from moend_fx.solvers.last_resort import NARROW_K_MIN_KEEP, check_min_keep, last_resort_columns, with_surcharge
+from moend_fx.solvers.last_resort import (
+    NARROW_K_MAX_CONTEXT,
+    NARROW_K_MIN_KEEP,
+    last_resort_columns,
+    rule_min_keep,
+    with_surcharge,
+)
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,14 @@ class Solver:
 
     ``narrow_k_min_keep``: keys of 4 bits or fewer on a layer that keeps fewer than this share of its tokens are
     a last resort (:mod:`moend_fx.solvers.last_resort`): :meth:`solve` hands :meth:`solve_arrays` a loss with
-    those configs surcharged, so a plan uses them only where nothing else fits; 0 turns the rule off. The
-    plan's ``predicted_loss`` is always the table's own.
+    those configs surcharged, so a plan uses them only where nothing else fits; 0 turns the rule off.
+    ``narrow_k_max_context``: the rule covers plans for contexts of at most this many tokens (0: every length).
+    The plan's ``predicted_loss`` is always the table's own.
     """
 
     name: ClassVar[str] = "base"
     narrow_k_min_keep: float = NARROW_K_MIN_KEEP
+    narrow_k_max_context: int = NARROW_K_MAX_CONTEXT
 
     def solve_arrays(self, S: np.ndarray, B: np.ndarray, budget: int, grid: Grid | None = None) -> ArraySolution:
         """Pick one config per layer. S: [L, C] float64; B: [L, C] int64; ``budget`` in bytes.
@@ -160,7 +168,8 @@ class Solver:
         if S.shape != (fp.num_layers, len(table.grid)):
             raise MoendError(f"table S has shape {S.shape}; expected [num_layers={fp.num_layers}, "
                              f"configs={len(table.grid)}]")
-        barred = last_resort_columns(table.grid, check_min_keep(self.narrow_k_min_keep))
+        barred = last_resort_columns(table.grid, rule_min_keep(self.narrow_k_min_keep, self.narrow_k_max_context,
+                                                               context_length))
         t0 = time.perf_counter()
         sol = self.solve_arrays(with_surcharge(S, barred), B, parsed.bytes, table.grid)
         wall = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Narrow keys at low keep ratios are a last resort: the rule every solver applies before it searches.
+"""Narrow keys at low keep ratios are a last resort on contexts up to 4k tokens: the rule every solver applies before
+it searches.
 
 A layer that keeps 10-25% of the prompt keeps the facts it will be asked for, and a retrieval is one of them
 winning a sharp softmax, which a 4-bit key moves. The table's S (the relative L2 error of the window's attention
@@ -7,8 +8,11 @@ output) is dominated there by eviction's blurred averages and adds the two error
 plans that avoid them answer 12 examples better and 3 worse over 9 screens with fewer bytes (docs/results.md,
 "Pricing 4-bit keys"). They stay in the grid, so a budget that no other plan fits still has one. The trade,
 measured: the published evaluation gains at 2k-4k and loses at 8k, and on plain held-out text the greedy plans'
-continuation KL is 1.13-3.7x higher at 4x-16x (docs/results.md, "Narrow keys as a last resort"); pass
-``narrow_k_min_keep=0`` for the plans that minimise the table's predicted loss.
+continuation KL is 1.13-3.7x higher at 4x-16x (docs/results.md, "Narrow keys as a last resort"). So the rule
+covers plans for contexts of at most :data:`NARROW_K_MAX_CONTEXT` tokens: at 8k, where a 10% keep still holds ~790
+tokens, the bytes buy more as tokens than as key bits (docs/results.md, "The last-resort rule at 8k"). Pass
+``narrow_k_min_keep=0`` for the plans that minimise the table's predicted loss at every length, or
+``narrow_k_max_context=0`` for the rule at every length.
 """
 
 from __future__ import annotations
@@ -24,12 +28,31 @@ NARROW_K_MIN_KEEP = 0.5
 """The default rule: narrow keys are a last resort on layers that keep fewer than half their tokens."""
 
 
+NARROW_K_MAX_CONTEXT = 4096
+"""The default rule covers plans for contexts of at most this many tokens (the longest it was measured to help)."""
+
+
 def check_min_keep(value: object) -> float:
     """``value`` as a float if it is a number in [0, 1] (0: no rule), else :class:`MoendError`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise MoendError(f"narrow_k_min_keep={value!r} is not allowed; allowed: a number in [0, 1] "
                          "(0 = narrow keys at any keep ratio)")
     return float(value)
+
+
+def check_max_context(value: object) -> int:
+    """``value`` if it is an int >= 0 (0: the rule at every context length), else :class:`MoendError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MoendError(f"narrow_k_max_context={value!r} is not allowed; allowed: an int >= 0 (tokens; 0 = the "
+                         "rule at every context length)")
+    return value
+
+
+def rule_min_keep(min_keep: object, max_context: object, context_length: int) -> float:
+    """The keep ratio below which narrow keys are a last resort for a plan of ``context_length`` tokens:
+    ``min_keep`` when ``context_length <= max_context`` (or ``max_context`` is 0), else 0 (no rule)."""
+    keep, limit = check_min_keep(min_keep), check_max_context(max_context)
+    return keep if limit == 0 or context_length <= limit else 0.0
 
 
 def last_resort_columns(grid: Grid, min_keep: float) -> np.ndarray:

@@ -105,6 +105,25 @@ def test_narrow_k_min_keep_sets_the_last_resort_rule(tmp_path, capsys):
     assert narrow_low(tight) > 0 and f"last resort: {narrow_low(tight)} layer(s)" in text
 
 
+def test_narrow_k_max_context_bounds_the_rule_by_context_length(tmp_path):
+    def solve(ctx, *extra):
+        out = tmp_path / "plan.json"
+        assert main(["solve", "--table", "synthetic:30:0", "--budget", "16x", "--context-length", str(ctx),
+                     "--out", str(out), *extra]) == 0
+        return RoutingPlan.load(out)
+
+    narrow_low = lambda plan: sum(c.k_bits <= 4 and c.keep_ratio < 0.5 for c in plan.layers)  # noqa: E731
+    assert narrow_low(solve(4096)) == 0  # the default covers 4k
+    assert narrow_low(solve(4097)) > 0  # and nothing longer
+    assert narrow_low(solve(4097, "--narrow-k-max-context", "0")) == 0  # 0: every length
+    assert narrow_low(solve(4096, "--narrow-k-max-context", "2048")) > 0
+
+
 def test_a_bad_narrow_k_min_keep_is_a_clear_error(capsys):
     assert main(["solve", "--table", "synthetic:4", "--budget", "4x", "--narrow-k-min-keep", "2"]) == 2
     assert "allowed: a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_a_bad_narrow_k_max_context_is_a_clear_error(capsys):
+    assert main(["solve", "--table", "synthetic:4", "--budget", "4x", "--narrow-k-max-context", "-1"]) == 2
+    assert "allowed: an int >= 0" in capsys.readouterr().err

@@ -73,6 +73,17 @@ def test_narrow_k_anywhere_is_the_greedy_plan_without_the_last_resort_rule(ablat
     assert anywhere.budget_bytes == plan.budget_bytes and plan_bytes(anywhere) <= anywhere.budget_bytes
 
 
+def test_last_resort_every_length_is_the_rules_plan_past_its_max_context(ablation):
+    table = load_table("synthetic:30:0")
+    long = get_solver("greedy").solve(table, "16x", context_length=4097).plan  # past the rule's 4096 tokens
+    narrow_low = lambda plan: sum(c.k_bits <= 4 and c.keep_ratio < 0.5 for c in plan.layers)  # noqa: E731
+    assert narrow_low(long) > 0  # else this tests nothing
+    every = ablation.variant_plan(long, "last-resort-every-length", table, "16x")
+    assert narrow_low(every) == 0 and plan_bytes(every) <= long.budget_bytes
+    short = get_solver("greedy").solve(table, "16x", context_length=4096).plan
+    assert ablation.variant_plan(short, "last-resort-every-length", table, "16x").layers == short.layers
+
+
 def test_table_variant_solves_the_same_budget_on_the_other_table(ablation, solved, tmp_path):
     import dataclasses
 
@@ -109,7 +120,7 @@ def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, b
 @pytest.mark.parametrize("good", ["base", "keep1", "keep1-ratio", "no-k4", "diversity-weight=0.5", "k8v4", "k16v16",
                                   "kernel=17", "trig-weight=0.5",
                                   "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg",
-                                  "k4-floor=0.25", "narrow-k-anywhere"])
+                                  "k4-floor=0.25", "narrow-k-anywhere", "last-resort-every-length"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
 

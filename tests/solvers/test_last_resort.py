@@ -12,7 +12,13 @@ from moend_fx.common.errors import BudgetError, MoendError
 from moend_fx.plan.routing import Grid
 from moend_fx.solvers import SOLVERS, get_solver
 from moend_fx.solvers.base import plan_loss
-from moend_fx.solvers.last_resort import NARROW_K_MIN_KEEP, last_resort_columns, with_surcharge
+from moend_fx.solvers.last_resort import (
+    NARROW_K_MAX_CONTEXT,
+    NARROW_K_MIN_KEEP,
+    last_resort_columns,
+    rule_min_keep,
+    with_surcharge,
+)
 from tests.solvers.helpers import small_table
 
 CTX = 512
@@ -98,3 +104,30 @@ def test_a_bad_min_keep_is_a_clear_error(bad):
     t = load_table("synthetic:4:0")
     with pytest.raises(MoendError, match=r"narrow_k_min_keep=.*allowed: a number in \[0, 1\]"):
         get_solver("greedy", narrow_k_min_keep=bad).solve(t, "4x", context_length=512)
+
+
+@pytest.mark.parametrize("name", ["greedy", "exact", "2d", "2d_uniform"])  # those the 16x budget leaves feasible
+def test_the_rule_covers_contexts_up_to_its_max_context_only(name):
+    t = load_table("synthetic:30:0")
+    cases = [(4096, "16x", NARROW_K_MAX_CONTEXT, True), (4097, "16x", NARROW_K_MAX_CONTEXT, False),
+             (8192, "18x", 0, True), (4096, "16x", 2048, False)]
+    for ctx, budget, limit, applies in cases:
+        rule = get_solver(name, narrow_k_max_context=limit).solve(t, budget, context_length=ctx)
+        off = get_solver(name, narrow_k_min_keep=0).solve(t, budget, context_length=ctx)
+        every = get_solver(name, narrow_k_max_context=0).solve(t, budget, context_length=ctx)
+        assert rule.plan.layers == (every if applies else off).plan.layers, (ctx, limit)
+        if name != "2d_uniform":  # its 16x plan has no narrow key with or without the rule: nothing to tell apart
+            assert every.plan.layers != off.plan.layers, (ctx, budget)  # else this case tests nothing
+
+
+def test_rule_min_keep_is_the_min_keep_up_to_the_max_context():
+    assert rule_min_keep(0.5, 4096, 4096) == 0.5
+    assert rule_min_keep(0.5, 4096, 7900) == 0.0
+    assert rule_min_keep(0.25, 0, 10**6) == 0.25
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4k", True, None])
+def test_a_bad_max_context_is_a_clear_error(bad):
+    t = load_table("synthetic:4:0")
+    with pytest.raises(MoendError, match=r"narrow_k_max_context=.*allowed: an int >= 0"):
+        get_solver("greedy", narrow_k_max_context=bad).solve(t, "4x", context_length=512)
