@@ -11,6 +11,8 @@ table's greedy plan for the example's length:
   (more bytes than the budget: a diagnosis, not a method); ``keep1``: the plan's bits, every token kept of the
   prompt (in capacity mode the layers then start evicting whole groups once the question and answer outgrow the
   plan's bytes); ``keep1-ratio``: the same with ``budget_mode="ratio"``, so nothing is ever evicted;
+  ``ratio``: the plan itself with ``budget_mode="ratio"``: evicted at the prompt as ``base``, then nothing evicted
+  while the answer prefix and the answer are fed (they add their bytes: over the budget, a diagnosis);
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
   ``k4-floor=R``: the same with only the 4-bit-K configs of keep ratio <= R barred (``no-k4`` is ``k4-floor=1``);
   both with the solvers' last-resort rule off, so only the bar applies; ``narrow-k-anywhere``: the greedy plan
@@ -24,6 +26,10 @@ table's greedy plan for the example's length:
 * ``trig-weight=W``: the query-aware scorer's trig weight; ``norm-weight=W`` / ``value-weight=W`` /
   ``diversity-weight=W``: the trig scorer's key-norm / value-norm / key-novelty weights (the query-aware scorer
   ``snapkv_trig`` passes its value and novelty weights to its trig part; it has no key-norm weight);
+* ``head-reduce=mean|max`` / ``combine=sum|max``: the query-aware scorer's folding of a KV group's query heads
+  in its SnapKV part and its joining of the SnapKV and trig scores (``SnapKVTrigScorer``);
+* ``full``: the uncompressed cache (the evaluation's ``full`` method), so a screen reads its gap on its own
+  examples;
 * ``fakek4-post`` / ``fakek4-pre`` / ``fakek4-token``: the plan's keep ratios and V bits with K held at 16 bits
   but its prompt tokens put through a 4-bit round trip (:func:`fake_k4`): as the cache quantizes K (per channel
   over 32 held tokens, after RoPE; the control, which should answer as ``base``), before RoPE, or per token.
@@ -51,7 +57,7 @@ from moend_fx.calibration.tables import setting_tables
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
-from moend_fx.common.options import QuantMode
+from moend_fx.common.options import HeadReduce, QuantMode, ScoreCombine
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
 from moend_fx.eval.runner import Runner, example_contexts, load_records
@@ -72,9 +78,13 @@ FAKE_K4 = ("fakek4-post", "fakek4-pre", "fakek4-token")
 # scorer options a variant may set: the query-aware scorer's trig weight, the trig scorer's weights
 SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "value-weight": "value_weight",
                   "diversity-weight": "diversity_weight"}
-ALLOWED = ("base, keep1, keep1-ratio, no-k4, narrow-k-anywhere, last-resort-every-length, k4-floor=R (0 < R <= 1), "
-           "table=PATH, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
-           + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", " + ", ".join(FAKE_K4))
+# scorer options a variant may set by name: the query-aware scorer's head folding and score joining
+SCORER_CHOICES = {"head-reduce": ("head_reduce", HeadReduce), "combine": ("combine", ScoreCombine)}
+SCORER_OPTIONS = (*SCORER_WEIGHTS, *SCORER_CHOICES, "kernel", "pooling")
+ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, last-resort-every-length, "
+           "k4-floor=R (0 < R <= 1), table=PATH, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+           + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", "
+           + ", ".join(f"{c}={'|'.join(e)}" for c, (_, e) in SCORER_CHOICES.items()) + ", " + ", ".join(FAKE_K4))
 
 
 def check_variant(variant: str) -> str:
@@ -83,7 +93,7 @@ def check_variant(variant: str) -> str:
     Scorer options combine with ``+`` (``value-weight=1+pooling=avg``)."""
     if "+" in variant:
         parts = variant.split("+")
-        if all(p.partition("=")[0] in (*SCORER_WEIGHTS, "kernel", "pooling") for p in parts):
+        if all(p.partition("=")[0] in SCORER_OPTIONS for p in parts):
             for p in parts:
                 check_variant(p)
             return variant
@@ -91,8 +101,8 @@ def check_variant(variant: str) -> str:
                          f"allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
-        if variant in ("base", "keep1", "keep1-ratio", "no-k4", "narrow-k-anywhere", "last-resort-every-length",
-                       *FAKE_K4):
+        if variant in ("base", "full", "keep1", "keep1-ratio", "ratio", "no-k4", "narrow-k-anywhere",
+                       "last-resort-every-length", *FAKE_K4):
             return variant
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
@@ -103,6 +113,8 @@ def check_variant(variant: str) -> str:
         if name in SCORER_WEIGHTS and float(value) >= 0:
             return variant
         if name == "pooling" and value in ("max", "avg", "none"):
+            return variant
+        if name in SCORER_CHOICES and value in list(SCORER_CHOICES[name][1]):
             return variant
         if not value and variant.startswith("k") and "v" in variant:
             if {int(x) for x in variant[1:].split("v")} <= {2, 4, 8, 16} and variant.count("v") == 1:
@@ -194,6 +206,8 @@ def scorer_kwargs(variant: str) -> dict[str, Any]:
         return {"pooling": value}
     if name in SCORER_WEIGHTS:
         return {SCORER_WEIGHTS[name]: float(value)}
+    if name in SCORER_CHOICES:
+        return {SCORER_CHOICES[name][0]: value}
     return {}
 
 
@@ -247,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
             for v in todo:
                 kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v)}
-                if v == "keep1-ratio":
+                if v in ("keep1-ratio", "ratio"):
                     kw["budget_mode"] = "ratio"
                 with faked_keys(v, rope):
-                    cache = build_cache(spec, state, model=model,
-                                        plan=variant_plan(plan, v, setting_plans.table, args.budget), **kw)
+                    if v == "full":
+                        cache = build_cache(METHODS["full"], state, model=model)
+                    else:
+                        cache = build_cache(spec, state, model=model,
+                                            plan=variant_plan(plan, v, setting_plans.table, args.budget), **kw)
                     measured = cache_nbytes(cache)
                     new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
                                            stop=lambda s, ex=ex: stop_reason(ex, s))

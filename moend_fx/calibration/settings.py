@@ -11,7 +11,7 @@ from moend_fx.calibration.gains import RECOMMENDED_PROBE
 from moend_fx.common.checks import check_choice, check_int, check_power_of_two
 from moend_fx.common.defaults import CALIBRATION_TOKENS, CALIBRATION_WINDOW, GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ScorerName, SensitivityMeasure
+from moend_fx.common.options import HeadReduce, ScoreCombine, ScorerName, SensitivityMeasure
 from moend_fx.eviction.scorers import SCORERS, default_options
 from moend_fx.plan.routing import LayerConfig
 
@@ -85,9 +85,15 @@ def scorer_options(name: str) -> dict[str, Any]:
     return default_options(name)
 
 
+OPTIONS_BEFORE_RECORDED: dict[str, Any] = {"head_reduce": HeadReduce.MEAN, "combine": ScoreCombine.SUM}
+"""Scorer options added after tables recorded their options, at the behaviour the scorer had before them: a table
+that does not record one was calibrated that way (whatever the option's default is now)."""
+
+
 def stale_reason(table: Any) -> str | None:
     """Why ``table`` was calibrated by an older calibration (:data:`CALIBRATION_VERSION`) or with other scorer
-    options than this version's defaults (None if current).
+    options than this version's defaults (None if current). An option the table does not record counts at its
+    value in :data:`OPTIONS_BEFORE_RECORDED` (what the scorer did before the option existed).
 
     The cache scores tokens with the current defaults, so a table measured with older ones mis-predicts
     what eviction costs: recalibrate it (``moend calibrate``)."""
@@ -100,6 +106,8 @@ def stale_reason(table: Any) -> str | None:
         return None
     want = scorer_options(name)
     got = cal.get("scorer_options")
+    if isinstance(got, dict):  # a table older than an option was calibrated at the behaviour before it
+        got = {**{k: v for k, v in OPTIONS_BEFORE_RECORDED.items() if k in want and k not in got}, **got}
     if got != want:
         return (f"the table was calibrated with {name} scorer options {got}, this version uses {want}; "
                 "recalibrate it with `moend calibrate`")

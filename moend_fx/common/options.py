@@ -38,6 +38,12 @@ QuantMode = option_set(
     "``token`` (V: groups of channels per token).", "channel", "token")
 Pooling = option_set(
     "Pooling", "How a scorer smooths per-token scores over neighbouring stored tokens.", "max", "avg", "none")
+HeadReduce = option_set(
+    "HeadReduce", "How an attention-reading scorer folds the query heads of one KV group into the group's score: "
+    "their ``mean`` or their ``max`` (a token one head attends to sharply counts fully).", "mean", "max")
+ScoreCombine = option_set(
+    "ScoreCombine", "How the query-aware scorer joins its two standardised scores: their weighted ``sum``, or their "
+    "``max`` (a token either score ranks high is kept).", "sum", "max")
 Kernel = option_set(
     "Kernel", "Which implementation runs the fused packed attention op.", "auto", "cpu", "triton", "reference")
 InnerCompiler = option_set(

@@ -17,6 +17,7 @@ from moend_fx.calibration.pipeline import (
     stale_reason,
     window_attention,
 )
+from moend_fx.calibration.settings import OPTIONS_BEFORE_RECORDED
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import get_scorer
@@ -153,6 +154,22 @@ def test_table_records_scorer_options_and_stale_tables_are_named(table, tmp_path
                 {**table.calibration, "scorer_options": {**opts, "kernel_size": 5}}):
         why = stale_reason(dataclasses.replace(table, calibration=cal))
         assert why is not None and "recalibrate" in why and "pooling" in why
+    # an option a table predates counts at the behaviour before it; an option it records that this version lacks
+    # and an option it lacks that has no such behaviour are stale
+    aware = dataclasses.replace(table, calibration={**table.calibration, "scorer": "snapkv_trig",
+                                                    "scorer_options": scorer_options("snapkv_trig")})
+    assert stale_reason(aware) is None
+    for name, before in OPTIONS_BEFORE_RECORDED.items():
+        older = {k: v for k, v in scorer_options("snapkv_trig").items() if k != name}
+        why = stale_reason(dataclasses.replace(aware, calibration={**aware.calibration, "scorer_options": older}))
+        # current exactly when the behaviour before the option is still its default
+        assert (why is None) == (before == scorer_options("snapkv_trig")[name])
+        moved = {**older, name: next(m for m in type(before) if m != before)}  # the other behaviour, recorded
+        why = stale_reason(dataclasses.replace(aware, calibration={**aware.calibration, "scorer_options": moved}))
+        assert why is not None and name in why
+    for options in ({k: v for k, v in opts.items() if k != "pooling"}, {**opts, "new_option": 1}):
+        why = stale_reason(dataclasses.replace(table, calibration={**table.calibration, "scorer_options": options}))
+        assert why is not None and "recalibrate" in why
     # a table from the first calibration (no version: statistics over the measured window, S not monotone)
     old = {k: v for k, v in table.calibration.items() if k != "version"}
     why = stale_reason(dataclasses.replace(table, calibration=old))

@@ -40,6 +40,7 @@ def test_bit_and_keep_variants_change_only_what_they_name(ablation, solved):
     assert {c.keep_ratio for c in keep1.layers} == {1.0}
     assert [(c.k_bits, c.v_bits) for c in keep1.layers] == [(c.k_bits, c.v_bits) for c in plan.layers]
     assert ablation.variant_plan(plan, "keep1-ratio", table, "14x") == keep1  # same plan; only the mode differs
+    assert ablation.variant_plan(plan, "ratio", table, "14x") is plan
 
 
 def test_no_k4_is_the_greedy_plan_without_4_bit_keys_within_the_same_budget(ablation, solved):
@@ -107,20 +108,24 @@ def test_scorer_variants_parse_their_option(ablation):
     assert ablation.scorer_kwargs("value-weight=1+norm-weight=0") == {"value_weight": 1.0, "norm_weight": 0.0}
     assert ablation.scorer_kwargs("diversity-weight=0.5") == {"diversity_weight": 0.5}
     assert ablation.scorer_kwargs("keep1-ratio") == {}
+    assert ablation.scorer_kwargs("head-reduce=max+combine=max") == {"head_reduce": "max", "combine": "max"}
+    assert ablation.scorer_kwargs("full") == {}
 
 
 @pytest.mark.parametrize("bad", ["k8x4", "k3v4", "k8v4v2", "kernel=4", "kernel=x", "trig-weight=-1", "foo", "",
                                  "value-weight=-1", "diversity-weight=-1", "pooling=min", "k8v4+kernel=3",
-                                 "value-weight=1+foo=2", "k4-floor=0", "k4-floor=1.5", "k4-floor=0.25+kernel=3"])
+                                 "value-weight=1+foo=2", "k4-floor=0", "k4-floor=1.5", "k4-floor=0.25+kernel=3",
+                                 "head-reduce=sum", "combine=mean", "full+combine=max"])
 def test_an_unknown_variant_is_a_clear_error_naming_the_allowed_ones(ablation, bad):
-    with pytest.raises(MoendError, match="allowed: base, keep1, keep1-ratio, no-k4"):
+    with pytest.raises(MoendError, match="allowed: base, full, keep1, keep1-ratio, ratio, no-k4"):
         ablation.check_variant(bad)
 
 
-@pytest.mark.parametrize("good", ["base", "keep1", "keep1-ratio", "no-k4", "diversity-weight=0.5", "k8v4", "k16v16",
-                                  "kernel=17", "trig-weight=0.5",
+@pytest.mark.parametrize("good", ["base", "keep1", "keep1-ratio", "ratio", "no-k4", "diversity-weight=0.5", "k8v4",
+                                  "k16v16", "kernel=17", "trig-weight=0.5",
                                   "norm-weight=0", "value-weight=2", "pooling=none", "value-weight=1+pooling=avg",
-                                  "k4-floor=0.25", "narrow-k-anywhere", "last-resort-every-length"])
+                                  "k4-floor=0.25", "narrow-k-anywhere", "last-resort-every-length", "full",
+                                  "head-reduce=max", "combine=max", "combine=sum+head-reduce=mean+trig-weight=0.5"])
 def test_known_variants_pass(ablation, good):
     assert ablation.check_variant(good) == good
 

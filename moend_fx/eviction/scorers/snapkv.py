@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moend_fx.common.checks import check_int
-from moend_fx.common.options import Pooling, ScorerName, Setting
+from moend_fx.common.checks import check_choice, check_int
+from moend_fx.common.options import HeadReduce, Pooling, ScorerName, Setting
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.h2o import check_attention_options, column_sums
@@ -20,7 +20,9 @@ class SnapKVScorer(Scorer):
     softmax(q k^T * scale) with scale = 1/sqrt(D) by default, causal by position (a key is visible to a
     window query iff key_position <= query_position; no query_positions = all visible), summed over the
     last ``window`` given queries (None = all), ``pooling`` ("avg", "max" or "none") with ``kernel_size`` along the
-    stored tokens, then averaged over the query heads of each KV group.
+    stored tokens, then folded over the query heads of each KV group by ``head_reduce``: their mean (default, as
+    SnapKV does for grouped-query attention) or their max (a key one head of the group attends to sharply keeps
+    its full score instead of a ``1/group`` share of it).
     """
 
     name: ClassVar[str] = ScorerName.SNAPKV
@@ -30,8 +32,10 @@ class SnapKVScorer(Scorer):
     pooling: Pooling = Pooling.AVG
     scale: float | None = None
     chunk: int = 256
+    head_reduce: HeadReduce = HeadReduce.MEAN
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "head_reduce", check_choice(f"{self.name} head_reduce", self.head_reduce, HeadReduce))
         if self.window is not None:
             check_int(f"{self.name} window", self.window)
         object.__setattr__(self, "pooling", check_pooling(self.name, self.pooling, self.kernel_size))
@@ -48,4 +52,7 @@ class SnapKVScorer(Scorer):
         [B, W] or None. Returns [B, Hkv, T]."""
         att = column_sums(self.name, self.scale, self.chunk, keys, values, queries, key_positions, query_positions,
                           self.window)
-        return pool_scores(att, self.kernel_size, self.pooling).mean(dim=2)  # [B, Hkv, G, T] -> [B, Hkv, T]
+        pooled = pool_scores(att, self.kernel_size, self.pooling)  # [B, Hkv, G, T]
+        if self.head_reduce == HeadReduce.MAX:
+            return pooled.amax(dim=2)
+        return pooled.mean(dim=2)

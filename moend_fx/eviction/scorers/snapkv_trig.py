@@ -6,8 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
+from moend_fx.common.checks import check_choice
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import ScorerName, Setting
+from moend_fx.common.options import HeadReduce, ScoreCombine, ScorerName, Setting
 from moend_fx.eviction.rope import QueryStats, RopeSpec
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.snapkv import SnapKVScorer
@@ -39,6 +42,13 @@ class SnapKVTrigScorer(Scorer):
     fixed, weight 0 / 0.5 / 1: niah_single at 8k, 14x, 70 / 85 / 85% (20 examples); at 2k, 20x, 36.7 / 93.3 / 96.7%
     (30) (docs/results.md, "Key novelty in the query-aware scorer").
 
+    ``head_reduce`` folds the query heads of a KV group in the SnapKV part (:class:`SnapKVScorer`; default their
+    mean). ``combine`` joins the two standardised scores: ``sum`` (default) or ``max``, which keeps a token that
+    either ranks high (the question's pick even where trig rates it low). Neither alternative is the default:
+    query-aware niah_single at 8k on SmolLM2, the max over heads answered the evaluation's 40 examples (14x and
+    20x, the table re-calibrated with it) exactly as the mean did and 1 of 20 held-out ones better; ``combine="max"``
+    lost 2 of those 20 (docs/results.md, "The query heads of a KV group in the query-aware scorer").
+
     Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
     its window and this is SnapKV over it, at every re-eviction.
     """
@@ -52,6 +62,8 @@ class SnapKVTrigScorer(Scorer):
     trig_weight: float = 1.0
     value_weight: float = TrigScorer.value_weight  # trig's own defaults, so the two scorers weigh alike
     diversity_weight: float = TrigScorer.diversity_weight
+    head_reduce: HeadReduce = HeadReduce.MEAN
+    combine: ScoreCombine = ScoreCombine.SUM
     _snap: SnapKVScorer = field(init=False, compare=False, repr=False)
     _trig: TrigScorer | None = field(init=False, compare=False, repr=False)
 
@@ -60,8 +72,10 @@ class SnapKVTrigScorer(Scorer):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
                 raise MoendError(f"{self.name} {name}={w!r}; must be a finite number >= 0")
+        object.__setattr__(self, "combine", check_choice(f"{self.name} combine", self.combine, ScoreCombine))
+        object.__setattr__(self, "head_reduce", check_choice(f"{self.name} head_reduce", self.head_reduce, HeadReduce))
         object.__setattr__(self, "_snap", SnapKVScorer(window=self.window, kernel_size=self.kernel_size,
-                                                      pooling="max"))
+                                                      pooling="max", head_reduce=self.head_reduce))
         trig = None if self.stats is None else TrigScorer(rope=self.rope, stats=self.stats,
                                                               value_weight=self.value_weight,
                                                               diversity_weight=self.diversity_weight)
@@ -105,5 +119,7 @@ class SnapKVTrigScorer(Scorer):
                                 query_positions=query_positions)
         if not (self.trig_weight and self._trig is not None):
             return snap
-        trig = self._trig.score(keys, values, key_positions=key_positions)
-        return standardise(snap) + self.trig_weight * standardise(trig)
+        trig = self.trig_weight * standardise(self._trig.score(keys, values, key_positions=key_positions))
+        if self.combine == ScoreCombine.MAX:
+            return torch.maximum(standardise(snap), trig)
+        return standardise(snap) + trig

@@ -93,9 +93,10 @@ def _naive_trig(keys, q, kp, qp):
     return trig_brute(keys, kp.expand(1, HKV, T), qbar, eabs, SPEC, offsets, t_now)
 
 
-def _naive_snapkv(keys, q, kp, qp, kernel=5, pooling="avg"):
+def _naive_snapkv(keys, q, kp, qp, kernel=5, pooling="avg", heads="mean"):
     att = dense_attention_sums(q, keys, kp.expand(1, HKV, T), qp, D**-0.5)  # [1, H, T]
-    return pool_naive(att, kernel, pooling).reshape(1, HKV, GROUP, T).mean(2)
+    per_head = pool_naive(att, kernel, pooling).reshape(1, HKV, GROUP, T)
+    return per_head.amax(2) if heads == "max" else per_head.mean(2)
 
 
 NAIVE = {
