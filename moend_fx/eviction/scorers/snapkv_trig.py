@@ -45,9 +45,10 @@ class SnapKVTrigScorer(Scorer):
     ``head_reduce`` folds the query heads of a KV group in the SnapKV part (:class:`SnapKVScorer`; default their
     mean). ``combine`` joins the two standardised scores: ``sum`` (default) or ``max``, which keeps a token that
     either ranks high (the question's pick even where trig rates it low). Neither alternative is the default:
-    query-aware niah_single at 8k on SmolLM2, the max over heads answered the evaluation's 40 examples (14x and
-    20x, the table re-calibrated with it) exactly as the mean did and 1 of 20 held-out ones better; ``combine="max"``
-    lost 2 of those 20 (docs/results.md, "The query heads of a KV group in the query-aware scorer").
+    query-aware niah_single at 8k on SmolLM2, the max over heads answered the evaluation's 20 examples at 14x and
+    20x (the table re-calibrated with it) exactly as the mean did, and 1 of 20 held-out ones better at 20x;
+    ``combine="max"`` answered 1 of those 20 better and 2 worse (docs/results.md, "The query heads of a KV group in
+    the query-aware scorer").
 
     Without calibrated statistics (a keep-1.0 layer that starts evicting late, or no table) the layer keeps
     its window and this is SnapKV over it, at every re-eviction.

@@ -138,8 +138,9 @@ def test_its_trig_part_weighs_key_novelty_as_trig_does_by_default():
 
 def test_it_folds_a_groups_heads_by_their_mean_and_sums_its_scores_by_default():
     """The max over a KV group's query heads was measured as the default and not adopted: SmolLM2-135M,
-    query-aware niah_single at 8k, MoE-nD answered the same 40 examples of the evaluation (docs/results.md, "The
-    query heads of a KV group in the query-aware scorer"); ``combine="max"`` lost 2 of 20 held-out examples."""
+    query-aware niah_single at 8k, MoE-nD gave the same 40 answers on the evaluation's 20 examples at 14x and 20x
+    (docs/results.md, "The query heads of a KV group in the query-aware scorer"); ``combine="max"`` answered 2 of
+    20 held-out examples worse and 1 better."""
     stats = _stats(2, 8, 0)
     assert get_scorer("snapkv_trig", rope=SPEC, stats=stats).head_reduce == "mean"
     assert get_scorer("snapkv_trig", rope=SPEC, stats=stats).combine == "sum"
