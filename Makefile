@@ -33,10 +33,10 @@ demo: install
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

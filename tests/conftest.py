@@ -25,6 +25,20 @@ torch.set_num_threads(int(_threads))
 os.environ["OMP_NUM_THREADS"] = _threads
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """Fails a test that leaves torch at another thread count than the suite's (and restores it). Leaked, it
+    oversubscribes the two cores for the rest of that worker: one in-process `moend bench` call left 2 threads
+    behind, the tests after it took 6-13x their time alone (tests/cache/test_bytes_walk.py: 369 s against 49 s)
+    and the suite 23-26 minutes instead of 13."""
+    yield
+    n = torch.get_num_threads()
+    if n != int(_threads):
+        torch.set_num_threads(int(_threads))
+        pytest.fail(f"the test left torch at {n} intra-op threads; the suite runs at {_threads} "
+                    "(restore it, as moend_fx.cli.main does)")
+
+
 @pytest.fixture(scope="session")
 def qwen():
     """``(model, tokenizer)`` of the embedded Qwen2.5-Coder-0.5B-Instruct (fp32, ~2.5 GB), loaded once per session
@@ -44,9 +58,11 @@ def smollm2():
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files holding real-model (``slow``) tests run first. Under ``--dist loadfile`` a file is one unit and
-    units are handed out in collection order; alphabetically the costliest files (``test_readme.py``,
-    ``test_pinned_behaviour.py``, ~3 min each) came last, so one worker ran them while the other sat idle.
-    Started first, the many short files fill in around them. Stable: the order inside each group is kept."""
+    """Files holding real-model (``slow``) tests run first. Under ``--dist loadfile --no-loadscope-reorder`` (the
+    Makefile's; without the second flag pytest-xdist 3.x hands files out by test count, largest first, and this
+    order is lost) a file is one unit and units are handed out in collection order; alphabetically the
+    costliest files (``test_readme.py``, ``test_pinned_behaviour.py``, ~3 min each) came last, so one worker ran
+    them while the other sat idle. Started first, the many short files fill in around them. Stable: the order
+    inside each group is kept."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)

@@ -86,3 +86,20 @@ def test_eval_continuation_only_needs_sequences(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--continuation-only needs --continuation N" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "decode", "--batches", "1,0", "--doc", ""],  # sets every core, errs
+                                  ["bench", "decode", "--threads", "2", "--batches", "1,1", "--doc", ""]])
+def test_a_command_gives_the_caller_its_torch_threads_back(argv, capsys):
+    """A command sets torch's intra-op threads for itself (the benchmarks default to every core); run in-process
+    it must not leave them set: the test process runs at one thread, a leaked count oversubscribes the cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 2  # the user error comes after the threads were set
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "moend: error:" in capsys.readouterr().err
