@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "moend_fx.cli.solve",
     "moend_fx.cli.search",
     "moend_fx.cli.evaluate",
+    "moend_fx.cli.report",
     "moend_fx.cli.generate",
     "moend_fx.cli.bench",
 )

@@ -8,6 +8,7 @@ the *measured* cache bytes (mean over examples) and the ratio against a 16-bit c
 (the paper's base) and against the model's own dtype. Task ``"avg"`` rows average the per-task means
 (the issue's "averaged over tasks"); their 95% interval is a stratified bootstrap (each task's examples
 resampled on their own, task means averaged), so tasks with different n weigh equally, as in the mean.
+The paired rows (:mod:`moend_fx.eval.paired`) compare every method with the full cache on the same examples.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from typing import Any
 
 from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_save_figure, atomic_write_text
+from moend_fx.eval.paired import paired_accuracy
 from moend_fx.eval.report_markdown import (
     BASELINES,
     headline,
     markdown_continuation,
     markdown_continuation_paired,
     markdown_headline,
+    markdown_paired,
     markdown_report,
     markdown_tables,
 )
@@ -40,7 +43,7 @@ from moend_fx.eval.summary import (
 
 # Summary rows (moend_fx.eval.summary) and Markdown (moend_fx.eval.report_markdown) are part of this API.
 __all__ = ["AVG", "BASELINES", "METHOD_ORDER", "headline", "load_records", "markdown_continuation",
-           "markdown_continuation_paired", "paired_continuation",
+           "markdown_continuation_paired", "markdown_paired", "paired_accuracy", "paired_continuation",
            "markdown_headline", "markdown_report", "markdown_tables", "plot_accuracy_vs_bytes",
            "stratified_bootstrap", "summarize_continuation", "summarize_records", "write_report"]
 
@@ -96,16 +99,18 @@ def plot_accuracy_vs_bytes(rows: Sequence[dict[str, Any]], path: str | Path) -> 
 def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, *, meta: dict[str, Any] | None = None,
                  plans: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
                  continuation: Sequence[dict[str, Any]] | None = None) -> dict[str, Path]:
-    """Write results.json (meta, summary rows, plans, records; continuation KL rows if given), results.md and
-    accuracy_vs_bytes.png (only when there are task records: a continuation-only run has none)."""
+    """Write results.json (meta, summary rows, each method paired with the full cache on the same examples,
+    plans, records; continuation KL rows if given), results.md and accuracy_vs_bytes.png (only when there are
+    task records: a continuation-only run has none)."""
     if not records and not continuation:
         raise MoendError("no records to report")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize_records(records)
-    doc = {"format": "moend_fx.eval", "version": 1, "meta": meta or {}, "summary": rows, "plans": plans or {},
-           "records": list(records), **(extra or {})}
-    md = markdown_report(rows, meta) if records else ""
+    paired = paired_accuracy(records)
+    doc = {"format": "moend_fx.eval", "version": 1, "meta": meta or {}, "summary": rows, "paired": paired,
+           "plans": plans or {}, "records": list(records), **(extra or {})}
+    md = markdown_report(rows, meta, paired) if records else ""
     if continuation:
         doc["continuation"] = {"summary": summarize_continuation(continuation),
                                "paired": paired_continuation(continuation), "records": list(continuation)}

@@ -111,13 +111,36 @@ def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero")
     return "\n".join(lines) + "\n"
 
 
-def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
+def markdown_paired(rows: Sequence[dict[str, Any]]) -> str:
+    """The paired table (:func:`moend_fx.eval.paired.paired_accuracy` rows); empty when there are none."""
+    if not rows:
+        return ""
+    ref = rows[0]["reference"]
+    out = [f"### Paired with `{ref}`: the same examples (task average; difference with its 95% stratified "
+           "bootstrap interval; examples better / worse)\n",
+           f"| setting | length | method @ budget | n | accuracy | {ref} | difference [95%] | better / worse |",
+           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        n = f"{r['n']}" + (f" ({r['unpaired']} unpaired)" if r["unpaired"] else "")
+        out.append(f"| {r['setting']} | {r['target_length']} | {_label(r)} | {n} | {100 * r['mean']:.1f} | "
+                   f"{100 * r['reference_mean']:.1f} | {100 * r['diff']:+.1f} [{100 * r['low']:+.0f}, "
+                   f"{100 * r['high']:+.0f}] | {r['better']} / {r['worse']} |")
+    return "\n".join(out) + "\n"
+
+
+def _seeds(cfg: dict[str, Any]) -> str:
+    seeds = cfg.get("seeds")
+    return f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {cfg.get('seed')}"
+
+
+def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None,
+                    paired: Sequence[dict[str, Any]] = ()) -> str:
     meta = meta or {}
     head = ["# Evaluation results", ""]
     cfg = meta.get("config", {})
     if cfg:
         head.append(f"Tasks {', '.join(cfg.get('tasks', []))}; lengths {cfg.get('lengths')}; n = {cfg.get('n')} per "
-                    f"task and length; seed {cfg.get('seed')}; greedy decoding, strict string match.")
+                    f"task and length; {_seeds(cfg)}; greedy decoding, strict string match.")
     head += [
         "Budgets are ratios of a **16-bit** cache of the example's compressed tokens (design.md); memory is the "
         "*measured* bytes of the cache after prefill + compression (packed codes, scales/zeros, positions, "
@@ -129,7 +152,9 @@ def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None 
         head.append(f"- Not run: `{name}`: {why}.")
     if skipped:
         head.append("")
-    return "\n".join(head) + "\n" + markdown_headline(rows) + "\n" + markdown_tables(rows)
+    paired_md = markdown_paired(paired)
+    return ("\n".join(head) + "\n" + markdown_headline(rows) + "\n" + (paired_md + "\n" if paired_md else "")
+            + markdown_tables(rows))
 
 
 def markdown_continuation(rows: Sequence[dict[str, Any]]) -> str:

@@ -153,7 +153,8 @@ class Runner:
                  prefill_s: float, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
         T = state.length
         base = dict(task=ex.task, target_length=ex.meta.get("target_length"), index=ex.meta.get("index"),
-                    setting=str(setting), context_tokens=T, suffix_tokens=len(suffix), answers=list(ex.answers),
+                    seed=self.cfg.seed, setting=str(setting), context_tokens=T, suffix_tokens=len(suffix),
+                    answers=list(ex.answers),
                     full16_bytes=full_cache_bytes(self.fp, T, dtype="16bit"),
                     full_model_bytes=full_cache_bytes(self.fp, T, dtype=None), prefill_s=round(prefill_s, 3))
         done: dict[Any, dict[str, Any]] = {}  # plan layers -> record, to share identical plans' decodes
@@ -219,6 +220,11 @@ class Runner:
         path = Path(out_dir) / "records.jsonl" if out_dir is not None else None
         if path is not None and resume and path.is_file():
             records = load_records(path)
+            other = sorted({r["seed"] for r in records if r.get("seed", self.cfg.seed) != self.cfg.seed})
+            if other:
+                raise MoendError(f"{path} holds records of seed {', '.join(map(str, other))}, not --seed "
+                                 f"{self.cfg.seed}: write to another --out (moend report pools runs of different "
+                                 "seeds), or pass --no-resume to start over")
             # Per run, not per example: a resumed run with more methods or budgets runs only what is missing.
             done = {tuple(r[k] for k in _RUN_FIELDS) for r in records}
         exs = self.examples()

@@ -95,6 +95,21 @@ def test_resume_skips_done_examples(model, table, tmp_path):
     assert second.records == first.records
 
 
+def test_records_name_their_seed_and_a_run_of_another_seed_does_not_resume_them(model, table, tmp_path):
+    """Seeds 0 and 1 draw different examples under the same indices: resuming seed 1 into seed 0's records would
+    skip its examples as done (and a pooled report would pair the wrong ones)."""
+    cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("full",),
+                     settings=("query_aware",), max_new_tokens=4, seed=5)
+    first = Runner(model, TOK, table, cfg, progress=False).run(tmp_path)
+    assert [r["seed"] for r in first.records] == [5]
+    before = (tmp_path / "records.jsonl").read_text()
+    other = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("full",),
+                       settings=("query_aware",), max_new_tokens=4, seed=6)
+    with pytest.raises(MoendError, match="holds records of seed 5, not --seed 6.*moend report"):
+        Runner(model, TOK, table, other, progress=False).run(tmp_path)
+    assert (tmp_path / "records.jsonl").read_text() == before
+
+
 @pytest.mark.parametrize("line, match", [('{"task": "passkey"', "is not a JSON record"),
                                          ('{"task": "passkey", "index": 0}', "lacks target_length, setting"),
                                          ("[1, 2]", "lacks task")])

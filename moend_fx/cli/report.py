@@ -1,0 +1,41 @@
+"""``moend report``: pool the records of several ``moend eval`` runs (other seeds, other methods) into one report.
+
+    moend report results/eval-8k results/eval-seed1-8k --out results/pooled-8k
+
+Writes results.{json,md,png} as ``moend eval`` does, with each method paired with the full cache on the same
+examples. Runs must be on one model and agree on what changes a method's answer (``moend_fx.eval.pool``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moend_fx.cli.args import csv_list
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "report", help="pool moend eval runs (e.g. of other seeds) into one report, paired with the full cache",
+        description="Pool the records of moend eval runs (their --out folders or results.json files), one example "
+                    "per (task, seed, index), and write results.{json,md,png} with each method paired with the "
+                    "full cache on the same examples.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a 'moend eval --out' folder or its results.json")
+    p.add_argument("--methods", type=csv_list, default=None, help="comma list: pool only these methods' records")
+    p.add_argument("--out", required=True, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moend_fx.eval.pool import pool_runs
+    from moend_fx.eval.report import write_report
+
+    pooled = pool_runs(args.runs, methods=args.methods)
+    for s in pooled.meta["pooled"]["sources"]:
+        print(f"{s['path']}: {s['records']} records, seed {s['seed']}")
+    if pooled.meta["pooled"]["duplicates"]:
+        print(f"{pooled.meta['pooled']['duplicates']} records repeated with the same result (kept once)")
+    for kind, path in write_report(pooled.records, args.out, meta=pooled.meta).items():
+        print(f"{kind}: {path}")
+    return 0
