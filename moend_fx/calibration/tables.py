@@ -13,7 +13,7 @@ from typing import Any
 
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
-from moend_fx.common.errors import TableError
+from moend_fx.common.errors import MoendError, TableError
 from moend_fx.common.options import ScorerName
 
 SYNTHETIC_PREFIX = "synthetic:"
@@ -92,21 +92,42 @@ def layer_query_stats(table: SensitivityTable) -> list[Any] | None:
 def setting_tables(model: str, settings: Any, table: str | Path | None = None,
                    ) -> tuple[dict[str, SensitivityTable], dict[str, Path], list[str]]:
     """(``{setting: table}``, ``{setting: path}``, warnings) for a run of ``settings``: ``table`` for every
-    setting, or each setting's cached default (:func:`setting_table_path`; settings that share a file share one
-    loaded table). A default table calibrated with other scorer options than this version's is a TableError;
-    a given one only a warning."""
+    setting, ``"query_aware=PATH,query_agnostic=PATH"`` (per setting; a setting not named keeps its default), or
+    each setting's cached default (:func:`setting_table_path`; settings that share a file share one loaded table).
+    A default table calibrated with other scorer options than this version's is a TableError; a given one only
+    a warning."""
     from moend_fx.calibration.settings import stale_reason
 
-    paths = {s: Path(table) if table else setting_table_path(model, s) for s in settings}
+    given = per_setting_paths(table, settings) if table else {}
+    paths = {s: given.get(s) or setting_table_path(model, s) for s in settings}
     loaded: dict[Path, SensitivityTable] = {}
     warnings = []
     for s, path in paths.items():
         if path in loaded:
             continue
-        loaded[path] = require_table(path, setting=None if table else s)
+        loaded[path] = require_table(path, setting=None if s in given else s)
         why = stale_reason(loaded[path])
-        if why and not table:  # the default tables are ours to keep current
+        if why and s not in given:  # the default tables are ours to keep current
             raise TableError(f"{path}: {why}")
         if why:
             warnings.append(why)
     return {s: loaded[p] for s, p in paths.items()}, paths, warnings
+
+
+def per_setting_paths(table: str | Path, settings: Any) -> dict[str, Path]:
+    """``{setting: path}`` from ``--table``: one path for every setting in ``settings``, or a comma list of
+    ``setting=PATH`` (only those settings; each must be one of ``settings``)."""
+    text = str(table)
+    if "=" not in text:
+        return {s: Path(text) for s in settings}
+    out: dict[str, Path] = {}
+    allowed = [str(s) for s in settings]
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, sep, path = item.partition("=")
+        if not sep or not path or name not in allowed:
+            raise MoendError(f"--table item {item!r}: expected SETTING=PATH with SETTING one of {', '.join(allowed)} "
+                             "(the run's settings), or one path for every setting")
+        if name in out:
+            raise MoendError(f"--table names setting {name} twice")
+        out[name] = Path(path)
+    return {s: out[str(s)] for s in settings if str(s) in out}

@@ -50,7 +50,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder (default %(default)s)")
     p.add_argument("--table", default=None,
-                   help=f"sensitivity table (.safetensors) for every setting; default {SETTING_TABLES_HINT}")
+                   help="sensitivity table (.safetensors) for every setting, or query_aware=PATH,query_agnostic=PATH "
+                        f"(a setting not named keeps its default); default {SETTING_TABLES_HINT}")
     p.add_argument("--tasks", type=_csv, default=cfg.tasks, help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--lengths", type=_ints, default=cfg.lengths,
                    help=f"prompt lengths in tokens (default {','.join(map(str, cfg.lengths))})")

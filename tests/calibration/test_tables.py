@@ -8,10 +8,12 @@ from moend_fx.calibration.tables import (
     default_table_path,
     layer_query_stats,
     load_table,
+    per_setting_paths,
     require_table,
+    setting_tables,
     table_context_length,
 )
-from moend_fx.common.errors import TableError
+from moend_fx.common.errors import MoendError, TableError
 from moend_fx.solvers.synthetic import synthetic_table
 
 
@@ -42,3 +44,25 @@ def test_context_length_and_stats():
     assert table_context_length(t) == 512 and table_context_length(t, 100) == 100
     assert table_context_length(synthetic_table(3, context_length=0)) == 2048  # no length recorded: the default
     assert layer_query_stats(t) is None  # synthetic tables carry no query statistics
+
+
+def test_per_setting_tables_from_one_option(tmp_path, monkeypatch):
+    """`moend eval --table query_aware=A,query_agnostic=B`: each setting its own file; one not named keeps its
+    cached default; a bad item names the allowed settings."""
+    monkeypatch.setenv("MOEND_CACHE", str(tmp_path / "cache"))
+    a = synthetic_table(3, seed=1).save(tmp_path / "a.safetensors")
+    b = synthetic_table(3, seed=2).save(tmp_path / "b.safetensors")
+    both = ("query_aware", "query_agnostic")
+    tables, paths, _ = setting_tables("tiny", both, f"query_aware={a},query_agnostic={b}")
+    assert paths == {"query_aware": a, "query_agnostic": b}
+    assert tables["query_aware"].calibration["seed"] == 1 and tables["query_agnostic"].calibration["seed"] == 2
+    tables, paths, _ = setting_tables("tiny", both, str(a))  # one path: every setting, one table loaded
+    assert set(paths.values()) == {a} and tables["query_aware"] is tables["query_agnostic"]
+    assert per_setting_paths(f"query_agnostic={b}", both) == {"query_agnostic": b}
+    with pytest.raises(TableError, match="moend calibrate"):  # query_aware's default is not cached here
+        setting_tables("tiny", both, f"query_agnostic={b}")
+    for bad, match in ((f"query_awre={a}", "SETTING one of query_aware, query_agnostic"),
+                       ("query_aware=", "expected SETTING=PATH"),
+                       (f"query_aware={a},query_aware={b}", "names setting query_aware twice")):
+        with pytest.raises(MoendError, match=match):
+            per_setting_paths(bad, both)
