@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from moend_fx.cli.args import csv_list
+from moend_fx.common.errors import MoendError
 
 
 def register(subparsers: Any) -> None:
@@ -23,6 +24,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a 'moend eval --out' folder or its results.json")
     p.add_argument("--methods", type=csv_list, default=None, help="comma list: pool only these methods' records")
+    p.add_argument("--reference", default="full",
+                   help="method every other is paired with (default %(default)s; a budgeted one, e.g. 2d_hetero, "
+                        "is paired at each budget)")
     p.add_argument("--out", required=True, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
     p.set_defaults(func=run)
 
@@ -36,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s['path']}: {s['records']} records, seed {s['seed']}")
     if pooled.meta["pooled"]["duplicates"]:
         print(f"{pooled.meta['pooled']['duplicates']} records repeated with the same result (kept once)")
-    for kind, path in write_report(pooled.records, args.out, meta=pooled.meta).items():
+    if args.reference not in {r["method"] for r in pooled.records}:
+        raise MoendError(f"--reference {args.reference}: no pooled record is of that method; they are of "
+                         f"{', '.join(sorted({r['method'] for r in pooled.records}))}")
+    for kind, path in write_report(pooled.records, args.out, meta=pooled.meta, reference=args.reference).items():
         print(f"{kind}: {path}")
     return 0

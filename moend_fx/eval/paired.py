@@ -35,7 +35,8 @@ def example_key(record: dict[str, Any]) -> Example:
 
 def paired_accuracy(records: Iterable[dict[str, Any]], reference: str = REFERENCE, *, n_boot: int = 2000,
                     seed: int = 0) -> list[dict[str, Any]]:
-    """Rows (dicts) per (setting, target_length, method, budget) for each method other than ``reference``:
+    """Rows (dicts) per (setting, target_length, method, budget) for each method other than ``reference`` (at
+    the same budget when the reference has one, e.g. ``"2d_hetero"``; with every budget when it has none):
     ``n`` paired examples, ``unpaired`` scored examples the reference did not answer, ``mean`` and
     ``reference_mean`` (task averages over the paired examples), ``diff`` = mean - reference_mean with ``low`` /
     ``high`` (95% stratified bootstrap, ``n_boot`` replicates from ``seed``), ``better`` / ``worse`` (examples
@@ -47,7 +48,8 @@ def paired_accuracy(records: Iterable[dict[str, Any]], reference: str = REFERENC
             scores[(r["setting"], r["target_length"], r["method"], r["budget"])][example_key(r)] = float(r["score"])
     rows = []
     for (setting, length, method, budget), ours in scores.items():
-        ref = scores.get((setting, length, reference, None))
+        # a budgeted reference is paired at the same budget; a budget-free one (the full cache) with every budget
+        ref = scores.get((setting, length, reference, budget)) or scores.get((setting, length, reference, None))
         if method == reference or ref is None:
             continue
         common = sorted(set(ours) & set(ref), key=repr)

@@ -98,8 +98,8 @@ def plot_accuracy_vs_bytes(rows: Sequence[dict[str, Any]], path: str | Path) -> 
 
 def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, *, meta: dict[str, Any] | None = None,
                  plans: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                 continuation: Sequence[dict[str, Any]] | None = None) -> dict[str, Path]:
-    """Write results.json (meta, summary rows, each method paired with the full cache on the same examples,
+                 continuation: Sequence[dict[str, Any]] | None = None, reference: str = "full") -> dict[str, Path]:
+    """Write results.json (meta, summary rows, each method paired with ``reference`` on the same examples,
     plans, records; continuation KL rows if given), results.md and accuracy_vs_bytes.png (only when there are
     task records: a continuation-only run has none)."""
     if not records and not continuation:
@@ -107,7 +107,7 @@ def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, *, meta
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize_records(records)
-    paired = paired_accuracy(records)
+    paired = paired_accuracy(records, reference)
     doc = {"format": "moend_fx.eval", "version": 1, "meta": meta or {}, "summary": rows, "paired": paired,
            "plans": plans or {}, "records": list(records), **(extra or {})}
     md = markdown_report(rows, meta, paired) if records else ""

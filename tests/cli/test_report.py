@@ -35,3 +35,12 @@ def test_report_on_a_path_that_is_not_a_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "neither results.json nor records.jsonl" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_report_with_another_reference(tmp_path, capsys):
+    a = _run(tmp_path / "a", 0, [(1.0, 1.0), (1.0, 0.0)])
+    assert main(["report", a, "--reference", "2d_hetero", "--out", str(tmp_path / "out")]) == 0
+    assert "Paired with `2d_hetero`" not in (tmp_path / "out" / "results.md").read_text()  # nothing else budgeted
+    assert main(["report", a, "--reference", "pyramid", "--out", str(tmp_path / "o2")]) == 2
+    assert "--reference pyramid: no pooled record is of that method; they are of 2d_hetero, full" in \
+        capsys.readouterr().err

@@ -84,3 +84,15 @@ def test_one_task_the_difference_is_wins_minus_losses_over_n(pairs):
     assert row["diff"] * n == pytest.approx(row["better"] - row["worse"])
     assert row["diff"] == pytest.approx(row["mean"] - row["reference_mean"])
     assert -1.0 <= row["low"] <= row["high"] <= 1.0
+
+
+def test_a_budgeted_reference_is_paired_at_each_budget():
+    recs = []
+    for b, ref, other in (("14x", [1, 1, 0], [1, 0, 0]), ("20x", [0, 0, 0], [1, 1, 0])):
+        recs += [_rec("2d_hetero", b, i, s) for i, s in enumerate(ref)]
+        recs += [_rec("pyramid", b, i, s) for i, s in enumerate(other)]
+    recs += [_rec("full", None, i, 1.0) for i in range(3)]
+    rows = paired_accuracy(recs, "2d_hetero")
+    assert {(r["method"], r["budget"]) for r in rows} == {("pyramid", "14x"), ("pyramid", "20x")}  # full: no budget
+    assert (_row(rows, "pyramid")["worse"], _row(rows, "pyramid", "20x")["better"]) == (1, 2)
+    assert "Paired with `2d_hetero`" in markdown_paired(rows)
