@@ -111,21 +111,27 @@ def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero")
     return "\n".join(lines) + "\n"
 
 
+def _table(title: str, columns: Sequence[str], aligns: str, lines: Sequence[str]) -> str:
+    """A titled Markdown table; ``aligns``: one character per column, ``l`` (left) or ``r`` (right)."""
+    rule = "|" + "".join("---|" if a == "l" else "---:|" for a in aligns)
+    return "\n".join([f"{title}\n", "| " + " | ".join(columns) + " |", rule, *lines]) + "\n"
+
+
 def markdown_paired(rows: Sequence[dict[str, Any]]) -> str:
     """The paired table (:func:`moend_fx.eval.paired.paired_accuracy` rows); empty when there are none."""
     if not rows:
         return ""
     ref = rows[0]["reference"]
-    out = [f"### Paired with `{ref}`: the same examples (task average; difference with its 95% stratified "
-           "bootstrap interval; examples better / worse)\n",
-           f"| setting | length | method @ budget | n | accuracy | {ref} | difference [95%] | better / worse |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = []
     for r in rows:
         n = f"{r['n']}" + (f" ({r['unpaired']} unpaired)" if r["unpaired"] else "")
-        out.append(f"| {r['setting']} | {r['target_length']} | {_label(r)} | {n} | {100 * r['mean']:.1f} | "
-                   f"{100 * r['reference_mean']:.1f} | {100 * r['diff']:+.1f} [{100 * r['low']:+.0f}, "
-                   f"{100 * r['high']:+.0f}] | {r['better']} / {r['worse']} |")
-    return "\n".join(out) + "\n"
+        lines.append(f"| {r['setting']} | {r['target_length']} | {_label(r)} | {n} | {100 * r['mean']:.1f} | "
+                     f"{100 * r['reference_mean']:.1f} | {100 * r['diff']:+.1f} [{100 * r['low']:+.0f}, "
+                     f"{100 * r['high']:+.0f}] | {r['better']} / {r['worse']} |")
+    return _table(f"### Paired with `{ref}`: the same examples (task average; difference with its 95% stratified "
+                  "bootstrap interval; examples better / worse)",
+                  ["setting", "length", "method @ budget", "n", "accuracy", ref, "difference [95%]",
+                   "better / worse"], "lrlrrrrr", lines)
 
 
 def _seeds(cfg: dict[str, Any]) -> str:
@@ -176,12 +182,12 @@ def markdown_continuation_paired(rows: Sequence[dict[str, Any]]) -> str:
     if not rows:
         return ""
     ref = rows[0]["reference"]
-    out = [f"#### Paired: each method's KL minus `{ref}`'s on the same sequences (> 0: `{ref}` is closer to the "
-           "full cache; +- two standard errors)\n",
-           f"| context | budget | method | n | KL difference | relative to the method's KL | `{ref}` lower on |",
-           "|---:|---|---|---:|---:|---:|---:|"]
+    lines = []
     for r in rows:
         rel = f"{100 * r['rel']:+.0f}%" if r["rel"] is not None else "-"
-        out.append(f"| {r['context_length']} | {r['budget']} | {r['method']} | {r['n']} | {r['diff']:+.4f} +- "
-                   f"{r['diff_ci']:.4f} | {rel} | {r['ref_lower']}/{r['n']} |")
-    return "\n".join(out) + "\n"
+        lines.append(f"| {r['context_length']} | {r['budget']} | {r['method']} | {r['n']} | {r['diff']:+.4f} +- "
+                     f"{r['diff_ci']:.4f} | {rel} | {r['ref_lower']}/{r['n']} |")
+    return _table(f"#### Paired: each method's KL minus `{ref}`'s on the same sequences (> 0: `{ref}` is closer to "
+                  "the full cache; +- two standard errors)",
+                  ["context", "budget", "method", "n", "KL difference", "relative to the method's KL",
+                   f"`{ref}` lower on"], "rllrrrr", lines)
