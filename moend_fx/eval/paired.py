@@ -13,6 +13,12 @@ averaged: the summary's ``avg`` rule), and the examples the method answers bette
 
 An example is (task, seed, index): records of runs with different seeds pool without colliding
 (:mod:`moend_fx.eval.pool`). Records from before records carried their seed count as seed None.
+
+A pair is only as good as its two records' common ground. Within one ``moend eval`` invocation every method of an
+example compresses a copy of one prefill; records copied in from another run (an older folder seeded into a new
+one, another machine) carry another prefill's numerics, and at 8k tokens those alone moved the full cache's
+query-aware answers on 5 of 20 examples (docs/results.md, "The full cache in the same run"). Records name their
+invocation (``run``), and each row counts its pairs that cross invocations.
 """
 
 from __future__ import annotations
@@ -40,18 +46,25 @@ def paired_accuracy(records: Iterable[dict[str, Any]], reference: str = REFERENC
     ``n`` paired examples, ``unpaired`` scored examples the reference did not answer, ``mean`` and
     ``reference_mean`` (task averages over the paired examples), ``diff`` = mean - reference_mean with ``low`` /
     ``high`` (95% stratified bootstrap, ``n_boot`` replicates from ``seed``), ``better`` / ``worse`` (examples
-    whose score is above / below the reference's). Infeasible runs (score None) are not paired. Empty when no
-    record is the reference's."""
+    whose score is above / below the reference's), ``cross_run`` (pairs whose two records come from two
+    ``moend eval`` invocations, so from two prefills: their ``run`` fields differ) and ``run_unknown`` (pairs with a
+    record made before records named their run).
+    Infeasible runs (score None) are not paired. Empty when no record is the reference's."""
     scores: dict[tuple, dict[Example, float]] = defaultdict(dict)
+    runs: dict[tuple, dict[Example, Any]] = defaultdict(dict)
     for r in records:
         if r.get("score") is not None:
-            scores[(r["setting"], r["target_length"], r["method"], r["budget"])][example_key(r)] = float(r["score"])
+            cell = (r["setting"], r["target_length"], r["method"], r["budget"])
+            scores[cell][example_key(r)] = float(r["score"])
+            runs[cell][example_key(r)] = r.get("run")
     rows = []
     for (setting, length, method, budget), ours in scores.items():
         # a budgeted reference is paired at the same budget; a budget-free one (the full cache) with every budget
-        ref = scores.get((setting, length, reference, budget)) or scores.get((setting, length, reference, None))
-        if method == reference or ref is None:
+        ref_cell = next((c for c in ((setting, length, reference, budget), (setting, length, reference, None))
+                         if c in scores), None)
+        if method == reference or ref_cell is None:
             continue
+        ref, ours_run, ref_run = scores[ref_cell], runs[(setting, length, method, budget)], runs[ref_cell]
         common = sorted(set(ours) & set(ref), key=repr)
         if not common:
             continue
@@ -65,6 +78,8 @@ def paired_accuracy(records: Iterable[dict[str, Any]], reference: str = REFERENC
             mean=_task_mean(ours, common, tasks), reference_mean=_task_mean(ref, common, tasks),
             diff=diff, low=low, high=high,
             better=sum(ours[k] > ref[k] for k in common), worse=sum(ours[k] < ref[k] for k in common),
+            cross_run=sum(None not in (ours_run[k], ref_run[k]) and ours_run[k] != ref_run[k] for k in common),
+            run_unknown=sum(None in (ours_run[k], ref_run[k]) for k in common),
         ))
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     rows.sort(key=lambda r: (r["setting"], r["target_length"], budget_key(r["budget"]),

@@ -124,7 +124,9 @@ def markdown_paired(rows: Sequence[dict[str, Any]]) -> str:
     ref = rows[0]["reference"]
     lines = []
     for r in rows:
-        n = f"{r['n']}" + (f" ({r['unpaired']} unpaired)" if r["unpaired"] else "")
+        notes = [f"{r['unpaired']} unpaired"] * bool(r["unpaired"]) + [f"{r['cross_run']} across runs"] * bool(
+            r.get("cross_run"))
+        n = f"{r['n']}" + (f" ({', '.join(notes)})" if notes else "")
         lines.append(f"| {r['setting']} | {r['target_length']} | {_label(r)} | {n} | {100 * r['mean']:.1f} | "
                      f"{100 * r['reference_mean']:.1f} | {100 * r['diff']:+.1f} [{100 * r['low']:+.0f}, "
                      f"{100 * r['high']:+.0f}] | {r['better']} / {r['worse']} |")

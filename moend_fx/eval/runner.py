@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.common.errors import MoendError
+from moend_fx.common.host import cpu_name
 from moend_fx.common.io import atomic_write_text
 from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
@@ -130,6 +132,8 @@ class Runner:
         self.by_setting = setting_plans(model, tables, config)
         self.progress = progress
         self.eos = getattr(tokenizer, "eos_token_id", None)
+        # every record of this invocation names it: methods of one example share a prefill only within one
+        self.run_id = uuid.uuid4().hex[:12]
         for b in config.budgets:
             parse_budget(b, self.fp, max(config.lengths))  # fail now on a bad budget string
         check_context(model, config)
@@ -153,8 +157,8 @@ class Runner:
                  prefill_s: float, only: set[RunKey] | None = None) -> list[dict[str, Any]]:
         T = state.length
         base = dict(task=ex.task, target_length=ex.meta.get("target_length"), index=ex.meta.get("index"),
-                    seed=self.cfg.seed, setting=str(setting), context_tokens=T, suffix_tokens=len(suffix),
-                    answers=list(ex.answers),
+                    seed=self.cfg.seed, run=self.run_id, setting=str(setting), context_tokens=T,
+                    suffix_tokens=len(suffix), answers=list(ex.answers),
                     full16_bytes=full_cache_bytes(self.fp, T, dtype="16bit"),
                     full_model_bytes=full_cache_bytes(self.fp, T, dtype=None), prefill_s=round(prefill_s, 3))
         done: dict[Any, dict[str, Any]] = {}  # plan layers -> record, to share identical plans' decodes
@@ -279,7 +283,7 @@ class Runner:
             **self.by_setting[self.cfg.settings[0]].summary(self.cfg.calibrated_stats),
             "settings": {str(s): sp.summary(self.cfg.calibrated_stats) for s, sp in self.by_setting.items()},
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "cpu": cpu_name(), "run": self.run_id, "threads": torch.get_num_threads(),
             "ratio_base": "16-bit cache of the same tokens (ratio16); the model's own dtype (ratio_model)",
         }
 

@@ -96,3 +96,15 @@ def test_a_budgeted_reference_is_paired_at_each_budget():
     assert {(r["method"], r["budget"]) for r in rows} == {("pyramid", "14x"), ("pyramid", "20x")}  # full: no budget
     assert (_row(rows, "pyramid")["worse"], _row(rows, "pyramid", "20x")["better"]) == (1, 2)
     assert "Paired with `2d_hetero`" in markdown_paired(rows)
+
+
+def test_pairs_across_two_invocations_are_counted_and_shown():
+    recs = [dict(_rec("full", None, i, 1.0), run="a") for i in range(4)]
+    recs += [dict(_rec("2d_hetero", "14x", i, 1.0), run="a" if i < 3 else "b") for i in range(4)]
+    recs += [_rec("pyramid", "14x", i, 1.0) for i in range(4)]  # made before records named their run
+    rows = paired_accuracy(recs)
+    hetero, pyramid = _row(rows, "2d_hetero"), _row(rows, "pyramid")
+    assert (hetero["cross_run"], hetero["run_unknown"]) == (1, 0)
+    assert (pyramid["cross_run"], pyramid["run_unknown"]) == (0, 4)
+    md = markdown_paired(rows)
+    assert "| 4 (1 across runs) |" in md and "pyramid @ 14x | 4 |" in md

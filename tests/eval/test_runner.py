@@ -95,13 +95,15 @@ def test_resume_skips_done_examples(model, table, tmp_path):
     assert second.records == first.records
 
 
-def test_records_name_their_seed_and_a_run_of_another_seed_does_not_resume_them(model, table, tmp_path):
+def test_records_name_their_seed_and_run_and_another_seed_does_not_resume_them(model, table, tmp_path):
     """Seeds 0 and 1 draw different examples under the same indices: resuming seed 1 into seed 0's records would
     skip its examples as done (and a pooled report would pair the wrong ones)."""
     cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("full",),
                      settings=("query_aware",), max_new_tokens=4, seed=5)
     first = Runner(model, TOK, table, cfg, progress=False).run(tmp_path)
     assert [r["seed"] for r in first.records] == [5]
+    # ... and their invocation, which the meta names with the CPU it ran on
+    assert [r["run"] for r in first.records] == [first.meta["run"]] and first.meta["cpu"]
     before = (tmp_path / "records.jsonl").read_text()
     other = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("8x",), methods=("full",),
                        settings=("query_aware",), max_new_tokens=4, seed=6)
