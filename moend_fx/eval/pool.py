@@ -11,7 +11,8 @@ record made before records carried their seed takes it from its run's ``meta.con
 Pooling refuses what would mix unlike things, with an error naming the runs and the field:
 
 - runs on different models, or whose configs differ in anything that changes a method's answer (scorer,
-  re-eviction, budget mode, query window, generation limits: ``BEHAVIOUR_FIELDS``); fields a run's config lacks
+  re-eviction, budget mode, query window, generation limits: ``BEHAVIOUR_FIELDS``), or that planned a setting on
+  tables of another recipe (calibration length, scorer, version: ``TABLE_FIELDS``); fields a run's meta lacks
   (a run made before the field existed) are not compared;
 - the same run (setting, length, example, method, budget) from two runs with different results. The same result
   twice (a run whose ``full`` records were copied from another's) is kept once and counted in
@@ -32,6 +33,11 @@ from moend_fx.eval.summary import budget_key
 BEHAVIOUR_FIELDS = ("max_new_tokens", "tokens_per_answer", "window", "evict_every", "scorer", "calibrated_stats",
                     "reevict", "budget_mode")
 """Config fields whose values must agree across pooled runs: each changes what a method answers."""
+
+TABLE_FIELDS = ("context_length", "tokens", "num_sequences", "version", "scorer", "scorer_options", "measure",
+                "gain_probe", "retrieval_tails")
+"""Fields of a setting's table (``meta.settings.<setting>.table``) that must agree: which table planned the
+methods. Its measured values are not compared (two calibrations of one recipe differ by float rounding)."""
 
 RUN_KEY = ("setting", "target_length", "task", "seed", "index", "method", "budget")
 """What makes a record one run of one example."""
@@ -155,6 +161,21 @@ def _check_alike(metas: list[tuple[str, dict[str, Any]]]) -> None:
             if k in ca and k in cb and ca[k] != cb[k]:
                 raise MoendError(f"{path} ran with {k}={cb[k]!r} and {first_path} with {k}={ca[k]!r}: pooled runs "
                                  f"must agree on {', '.join(BEHAVIOUR_FIELDS)}")
+        sa, sb = first.get("settings") or {}, meta.get("settings") or {}
+        for setting in sorted(set(sa) & set(sb)):
+            ta, tb = (sa[setting] or {}).get("table") or {}, (sb[setting] or {}).get("table") or {}
+            for k in TABLE_FIELDS:
+                if k in ta and k in tb and _differ(ta[k], tb[k]):
+                    raise MoendError(f"{path} planned {setting} on a table with {k}={tb[k]!r} and {first_path} on "
+                                     f"one with {k}={ta[k]!r}: pooled runs must plan on tables of one recipe")
+
+
+def _differ(a: Any, b: Any) -> bool:
+    """Whether two recorded values disagree; of two dicts (scorer options) only the keys both record count: an
+    option added later is recorded only by tables made after it, which count an older table at its default."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return any(a[k] != b[k] for k in set(a) & set(b))
+    return a != b
 
 
 def _meta(runs: list[tuple[list[dict[str, Any]], dict[str, Any], Path]], records: list[dict[str, Any]],

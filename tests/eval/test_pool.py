@@ -125,3 +125,22 @@ def test_what_is_not_a_run_is_a_clear_error(tmp_path, make, match):
         pool_runs([tmp_path / "run"])
     with pytest.raises(MoendError, match="nothing to pool"):
         pool_runs([])
+
+
+def test_runs_planned_on_tables_of_another_recipe_are_refused(tmp_path):
+    def table(tokens, probe, options):
+        return dict(query_aware=dict(table=dict(tokens=tokens, context_length=tokens, version=4,
+                                                scorer_options=options, gains=dict(probe_S=[probe]))))
+    a = _run(tmp_path / "a", 0, _both([1], [1]))
+    b = _run(tmp_path / "b", 1, _both([1], [1]))
+    c = _run(tmp_path / "c", 2, _both([1], [0]))
+    older = {"kernel_size": 9}  # made before the option head_reduce existed: counted at its default
+    for path, tokens, probe, options in ((a, 2048, 0.11, dict(older, head_reduce="mean")), (b, 2048, 0.1100001, older),
+                                         (c, 8192, 0.3, older)):
+        doc = json.loads((path / "results.json").read_text())
+        doc["meta"]["settings"] = table(tokens, probe, options)
+        (path / "results.json").write_text(json.dumps(doc))
+    assert len(pool_runs([a, b]).records) == 4  # one recipe: measured values may differ by rounding
+    with pytest.raises(MoendError, match="planned query_aware on a table with context_length=8192 .* "
+                                         "context_length=2048"):
+        pool_runs([a, c])
