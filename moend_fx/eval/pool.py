@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from moend_fx.common.errors import MoendError
+from moend_fx.eval.records import load_records
 from moend_fx.eval.summary import budget_key
 
 BEHAVIOUR_FIELDS = ("max_new_tokens", "tokens_per_answer", "window", "evict_every", "scorer", "calibrated_stats",
@@ -47,12 +48,12 @@ _SAME = ("score", "generated", "measured_bytes")  # a repeated run with these eq
 
 @dataclass(frozen=True)
 class Pooled:
-    """Records pooled from ``sources`` (paths) and the report's meta (the first run's model and table, every
-    run's config, the seeds and what was dropped as a duplicate)."""
+    """Records pooled from several runs and the report's meta (the first run's model and table, its config
+    widened to every run's tasks, lengths, seeds and methods, and ``meta["pooled"]``: each source's path, seed
+    and record count, and how many repeats were dropped)."""
 
     records: list[dict[str, Any]]
     meta: dict[str, Any]
-    sources: tuple[str, ...]
 
 
 def read_run(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any], Path]:
@@ -70,7 +71,7 @@ def read_run(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any], Pa
     elif not p.is_file():
         raise MoendError(f"{path} does not exist; pass 'moend eval --out' folders or their results.json")
     if p.suffix == ".jsonl":
-        records = _jsonl(p)
+        records = load_records(p, tuple(k for k in RUN_KEY if k != "seed"), restart="pass its results.json")
         unseeded = sum(isinstance(r, dict) and "seed" not in r for r in records)
         if unseeded:
             raise MoendError(f"{p}: {unseeded} records name no seed (made before records carried one) and there is "
@@ -88,17 +89,6 @@ def read_run(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any], Pa
     seed = (meta.get("config") or {}).get("seed")
     records = [r if not isinstance(r, dict) or "seed" in r else {**r, "seed": seed} for r in doc.get("records", [])]
     return _checked(records, p), meta, p
-
-
-def _jsonl(path: Path) -> list[Any]:
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise MoendError(f"{path}:{i} is not a JSON record ({e.msg})") from None
-    return out
 
 
 def _checked(records: list[Any], path: Path) -> list[dict[str, Any]]:
@@ -142,7 +132,7 @@ def pool_runs(paths: Sequence[str | Path], methods: Iterable[str] | None = None)
             records.append(r)
     if not records:
         raise MoendError(f"no records to pool in {', '.join(map(str, paths))}")
-    return Pooled(records, _meta(runs, records, duplicates), tuple(str(f) for _, _, f in runs))
+    return Pooled(records, _meta(runs, records, duplicates))
 
 
 def _describe(key: tuple) -> str:

@@ -39,6 +39,7 @@ from moend_fx.common.io import atomic_write_text
 from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
 from moend_fx.eval.methods import MethodSpec, PrefillState, build_cache, cache_nbytes, check_methods, method_runs
+from moend_fx.eval.records import RUN_FIELDS, load_records
 from moend_fx.eval.setting_plans import setting_plans
 from moend_fx.eval.steps import (
     EVAL_ATTN,
@@ -73,31 +74,6 @@ def check_context(model: Any, config: EvalConfig) -> None:
             f"this model's context of {limit} (max_position_embeddings); allowed lengths: <= "
             f"{limit - config.max_new_tokens}"
         )
-
-
-_RUN_FIELDS = ("task", "target_length", "index", "setting", "method", "budget")
-
-
-def load_records(path: Path, fields: tuple[str, ...] = _RUN_FIELDS,
-                 restart: str = "pass --no-resume to start over") -> list[dict[str, Any]]:
-    """The records of a stopped run (``records.jsonl``), each checked for the ``fields`` resuming keys on (an
-    evaluation's by default); a line that is not a JSON record, or lacks one of them, is a MoendError naming the
-    file and the line, and saying how to start over (``restart``)."""
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise MoendError(f"{path}:{i} is not a JSON record ({e.msg}); fix or delete the file, or "
-                             f"{restart}") from None
-        missing = [k for k in fields if not isinstance(r, dict) or k not in r]
-        if missing:
-            raise MoendError(f"{path}:{i} lacks {', '.join(missing)} (a record of another version?); {restart}, "
-                             "or write to another --out")
-        out.append(r)
-    return out
 
 
 def example_contexts(model: Any, tokenizer: Any, ex: Example, settings: Iterable[str], *, window: int,
@@ -230,7 +206,7 @@ class Runner:
                                  f"{self.cfg.seed}: write to another --out (moend report pools runs of different "
                                  "seeds), or pass --no-resume to start over")
             # Per run, not per example: a resumed run with more methods or budgets runs only what is missing.
-            done = {tuple(r[k] for k in _RUN_FIELDS) for r in records}
+            done = {tuple(r[k] for k in RUN_FIELDS) for r in records}
         exs = self.examples()
         runs = self.runs()
         prev_attn = self.model.config._attn_implementation
