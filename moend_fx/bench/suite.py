@@ -165,28 +165,39 @@ def _plot_kernels(rows: list[dict], path: Path) -> Path:
 # --------------------------------------------------------------------------------------------- eval
 
 
-def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, config: Any, *,
+def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, configs: Sequence[Any], *,
                        out: str | os.PathLike, progress: bool = True) -> tuple[str, Files]:
-    """Wrap the evaluation runner (``moend eval``) with a small configuration; resumes from ``out``.
+    """Wrap the evaluation runner (``moend eval``) over one or more parts (EvalConfigs that differ only in tasks,
+    lengths and n; ``moend_fx.eval.parts``), all into one records file and one report; resumes from ``out``.
     table_path: one table for every setting, or None for each setting's cached default."""
     from moend_fx.calibration.tables import setting_tables
     from moend_fx.eval.report import write_report
     from moend_fx.eval.runner import Runner
     from moend_fx.models import load_model
 
-    tables, paths, warnings = setting_tables(model_name, config.settings, table_path)
+    if not configs:
+        raise MoendError("no evaluation parts to run")
+    tables, paths, warnings = setting_tables(model_name, configs[0].settings, table_path)
     for why in warnings:
         print(f"moend bench eval: warning: {why}", file=sys.stderr)
     model, tok = load_model(model_name)
-    runner = Runner(model, tok, tables, config, progress=progress)
-    result = runner.run(out, resume=True)
-    meta = dict(result.meta, table_path=str(paths[config.settings[0]]), model_name=model_name,
-                table_paths={str(s): str(p) for s, p in paths.items()})
-    paths = write_report(result.records, out, meta=meta, plans=result.plans)
+    plans: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for config in configs:  # each part resumes from the records of those before it and returns them all
+        runner = Runner(model, tok, tables, config, progress=progress)
+        result = runner.run(out, resume=True)
+        plans.update(result.plans)
+        skipped.update(runner.skipped)
+    config = dict(result.meta["config"], tasks=sorted({t for c in configs for t in c.tasks}),
+                  lengths=sorted({n for c in configs for n in c.lengths}),
+                  n="/".join(map(str, sorted({c.n for c in configs}))))
+    meta = dict(result.meta, config=config, parts=[c.to_dict() for c in configs], model_name=model_name,
+                table_path=str(paths[configs[0].settings[0]]), table_paths={str(s): str(p) for s, p in paths.items()})
+    paths = write_report(result.records, out, meta=meta, plans=plans)
     md_path = paths.get("md") or paths.get("markdown")
     md = Path(md_path).read_text() if md_path else ""
-    if runner.skipped:
-        md += "\nSkipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.skipped.items()) + "\n"
+    if skipped:
+        md += "\nSkipped methods: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "\n"
     return md, {k: Path(v) for k, v in paths.items()}
 
 

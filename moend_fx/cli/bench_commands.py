@@ -191,13 +191,17 @@ def cmd_triton(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from moend_fx.bench.suite import bench_eval_section
+    from moend_fx.cli.bench import PUBLISHED_EVAL
     from moend_fx.eval.config import EvalConfig
+    from moend_fx.eval.parts import choose_parts
 
     _threads(args)
-    cfg = EvalConfig(tasks=tuple(csv_list(args.tasks)), lengths=int_list(args.lengths, "--lengths"), n=args.n,
-                     budgets=tuple(csv_list(args.budgets)), methods=tuple(csv_list(args.methods)),
-                     settings=tuple(csv_list(args.settings)), max_new_tokens=args.max_new_tokens)
-    md, files = bench_eval_section(args.model, args.table, cfg, out=Path(args.out) / "eval",
+    parts = choose_parts(PUBLISHED_EVAL["parts"], tasks=csv_list(args.tasks) if args.tasks else None,
+                         lengths=int_list(args.lengths, "--lengths") if args.lengths else None, n=args.n)
+    configs = [EvalConfig(tasks=p.tasks, lengths=p.lengths, n=p.n, budgets=tuple(csv_list(args.budgets)),
+                          methods=tuple(csv_list(args.methods)), settings=tuple(csv_list(args.settings)),
+                          max_new_tokens=args.max_new_tokens) for p in parts]
+    md, files = bench_eval_section(args.model, args.table, configs, out=Path(args.out) / "eval",
                                    progress=not args.no_progress)
     return _publish(args, "eval", md, files)
 

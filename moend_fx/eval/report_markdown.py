@@ -141,14 +141,28 @@ def _seeds(cfg: dict[str, Any]) -> str:
     return f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {cfg.get('seed')}"
 
 
+def coverage(rows: Sequence[dict[str, Any]]) -> str:
+    """What a report's rows cover, length by length: ``"2048: passkey, niah_single (n = 30); 7900: niah_single
+    (n = 20)"`` (runs of several parts, or pooled runs, differ in tasks and n by length). rows: summary rows;
+    the task averages and cells with no result are left out."""
+    per: dict[int, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for r in rows:
+        if r["task"] != AVG and r["mean"] is not None:
+            per[r["target_length"]][r["task"]].add(r["n"])
+    out = []
+    for length, tasks in sorted(per.items()):
+        ns = sorted(set().union(*tasks.values()))
+        out.append(f"{length} tokens: {', '.join(sorted(tasks))} (n = {'/'.join(map(str, ns))} per task)")
+    return "; ".join(out)
+
+
 def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None,
                     paired: Sequence[dict[str, Any]] = ()) -> str:
     meta = meta or {}
     head = ["# Evaluation results", ""]
     cfg = meta.get("config", {})
     if cfg:
-        head.append(f"Tasks {', '.join(cfg.get('tasks', []))}; lengths {cfg.get('lengths')}; n = {cfg.get('n')} per "
-                    f"task and length; {_seeds(cfg)}; greedy decoding, strict string match.")
+        head.append(f"{coverage(rows) or 'No results yet'}; {_seeds(cfg)}; greedy decoding, strict string match.")
     head += [
         "Budgets are ratios of a **16-bit** cache of the example's compressed tokens (design.md); memory is the "
         "*measured* bytes of the cache after prefill + compression (packed codes, scales/zeros, positions, "

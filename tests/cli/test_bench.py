@@ -108,3 +108,36 @@ def test_user_errors_are_one_line(argv, words, capsys):
     assert last.startswith("moend: error:") and "Traceback" not in err
     for w in words:
         assert w in last, last
+
+
+def test_bench_eval_runs_every_part_into_one_report_and_resumes(folder, tmp_path, capsys, monkeypatch):
+    """The published evaluation is parts of different tasks, lengths and n: one records file, one report whose
+    header says what each length holds, and a second call runs nothing."""
+    from moend_fx.calibration.pipeline import calibrate
+    from moend_fx.cli.bench import PUBLISHED_EVAL
+    from moend_fx.eval.parts import EvalPart
+    from moend_fx.eval.runner import Runner
+    from moend_fx.models import load_model
+
+    model, _ = load_model(str(folder))
+    table_path = tmp_path / "table.safetensors"
+    calibrate(model, tokens=64, num_sequences=1).save(table_path)
+    monkeypatch.setitem(PUBLISHED_EVAL, "parts", (EvalPart(("passkey", "niah_single"), (160,), 2),
+                                                  EvalPart(("niah_single",), (224,), 1)))
+    out, doc = tmp_path / "res", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    argv = ["bench", "eval", "--model", str(folder), "--table", str(table_path), "--methods", "full,2d_hetero",
+            "--budgets", "8x", "--settings", "query_agnostic", "--max-new-tokens", "2", "--threads", "1",
+            "--out", str(out), "--doc", str(doc), "--no-progress"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "eval" / "records.jsonl").read_text().splitlines()]
+    cells = {(r["task"], r["target_length"], r["index"]) for r in records}
+    assert cells == {("passkey", 160, 0), ("passkey", 160, 1), ("niah_single", 160, 0), ("niah_single", 160, 1),
+                     ("niah_single", 224, 0)}
+    meta = json.loads((out / "eval" / "results.json").read_text())["meta"]
+    assert [(p["lengths"], p["n"]) for p in meta["parts"]] == [([160], 2), ([224], 1)]
+    block = existing_blocks(doc.read_text())["eval"]
+    assert "160 tokens: niah_single, passkey (n = 2 per task); 224 tokens: niah_single (n = 1 per task)" in block
+    monkeypatch.setattr(Runner, "run_example", lambda *a, **k: pytest.fail("a done example was run again"))
+    assert main(argv) == 0
+    capsys.readouterr()

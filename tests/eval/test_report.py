@@ -77,6 +77,16 @@ def test_markdown_has_one_table_per_setting_and_marks_infeasible():
     assert "16-bit" in md
 
 
+def test_header_says_which_tasks_and_n_each_length_holds():
+    """A run of several parts (or pooled runs) holds other tasks and n at another length: the header says so per
+    length rather than repeating one part's configuration."""
+    long = [dict(_rec("niah_single", m, b, 1.0, i), target_length=7900) for i in range(4)
+            for m, b in (("full", None), ("2d_hetero", "14x"))]
+    md = markdown_report(summarize_records(_records() + long), {"config": {"seed": 0}})
+    assert ("2048 tokens: niah_single, passkey (n = 10 per task); 7900 tokens: niah_single (n = 4 per task); "
+            "seed 0") in md
+
+
 def test_headline_compares_with_full_and_best_feasible_baseline():
     recs = _records() + [_rec(t, "2d_uniform", "14x", float(i < 3), i, measured=3_100_000)
                          for t in ("passkey", "niah_single") for i in range(10)]
