@@ -138,7 +138,9 @@ def markdown_paired(rows: Sequence[dict[str, Any]]) -> str:
 
 def _seeds(cfg: dict[str, Any]) -> str:
     seeds = cfg.get("seeds")
-    return f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {cfg.get('seed')}"
+    if seeds and len(seeds) > 1:
+        return f"seeds {', '.join(map(str, seeds))}"
+    return f"seed {seeds[0] if seeds else cfg.get('seed')}"
 
 
 def coverage(rows: Sequence[dict[str, Any]]) -> str:

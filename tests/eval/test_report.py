@@ -85,6 +85,7 @@ def test_header_says_which_tasks_and_n_each_length_holds():
     md = markdown_report(summarize_records(_records() + long), {"config": {"seed": 0}})
     assert ("2048 tokens: niah_single, passkey (n = 10 per task); 7900 tokens: niah_single (n = 4 per task); "
             "seed 0") in md
+    assert "; seed 3; greedy" in markdown_report(summarize_records(long), {"config": {"seeds": [3]}})  # one pooled seed
 
 
 def test_headline_compares_with_full_and_best_feasible_baseline():
