@@ -170,8 +170,8 @@ def register(subparsers: Any) -> None:
     t.add_argument("--runs", type=positive_int, default=50, help="timed calls per method (median)")
     _common(t, cmd_triton)
 
-    e = sub.add_parser("eval", help="accuracy vs memory: the published configuration by default (about an hour "
-                                    "on 2 cores; resumes from --out)")
+    e = sub.add_parser("eval", help="accuracy vs memory: the published configuration by default (about 80 min on "
+                                    "2 cores; resumes from --out)")
     e.add_argument("--model", default=DEFAULT_MODEL)
     e.add_argument("--table", default=None, help=f"table for every setting (default {SETTING_TABLES_HINT})")
     parts = describe_parts(PUBLISHED_EVAL["parts"])
