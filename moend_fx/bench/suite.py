@@ -181,7 +181,9 @@ def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, co
     for why in warnings:
         print(f"moend bench eval: warning: {why}", file=sys.stderr)
     model, tok = load_model(model_name)
-    plans: dict[str, Any] = {}
+    # A resumed run solves plans only for what it still runs: keep those of the report it resumes from.
+    previous = Path(out) / "results.json"
+    plans: dict[str, Any] = dict(json.loads(previous.read_text()).get("plans") or {}) if previous.is_file() else {}
     skipped: dict[str, str] = {}
     for config in configs:  # each part resumes from the records of those before it and returns them all
         runner = Runner(model, tok, tables, config, progress=progress)

@@ -138,6 +138,13 @@ def test_bench_eval_runs_every_part_into_one_report_and_resumes(folder, tmp_path
     assert [(p["lengths"], p["n"]) for p in meta["parts"]] == [([160], 2), ([224], 1)]
     block = existing_blocks(doc.read_text())["eval"]
     assert "160 tokens: niah_single, passkey (n = 2 per task); 224 tokens: niah_single (n = 1 per task)" in block
+    plans = meta_plans(out)
+    assert any(k.startswith("2d_hetero|8x|") for k in plans)
     monkeypatch.setattr(Runner, "run_example", lambda *a, **k: pytest.fail("a done example was run again"))
     assert main(argv) == 0
+    assert meta_plans(out) == plans  # the resumed report keeps the plans it did not solve again
     capsys.readouterr()
+
+
+def meta_plans(out):
+    return json.loads((out / "eval" / "results.json").read_text())["plans"]
