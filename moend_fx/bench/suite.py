@@ -177,13 +177,12 @@ def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, co
 
     if not configs:
         raise MoendError("no evaluation parts to run")
+    # A resumed run solves plans only for what it still runs: keep those of the report it resumes from.
+    plans = _previous_plans(Path(out) / "results.json")
     tables, paths, warnings = setting_tables(model_name, configs[0].settings, table_path)
     for why in warnings:
         print(f"moend bench eval: warning: {why}", file=sys.stderr)
     model, tok = load_model(model_name)
-    # A resumed run solves plans only for what it still runs: keep those of the report it resumes from.
-    previous = Path(out) / "results.json"
-    plans: dict[str, Any] = dict(json.loads(previous.read_text()).get("plans") or {}) if previous.is_file() else {}
     skipped: dict[str, str] = {}
     for config in configs:  # each part resumes from the records of those before it and returns them all
         runner = Runner(model, tok, tables, config, progress=progress)
@@ -201,6 +200,16 @@ def bench_eval_section(model_name: str, table_path: str | os.PathLike | None, co
     if skipped:
         md += "\nSkipped methods: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "\n"
     return md, {k: Path(v) for k, v in paths.items()}
+
+
+def _previous_plans(path: Path) -> dict[str, Any]:
+    """The plans of the report at ``path`` (``{}`` if there is none yet)."""
+    if not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()).get("plans") or {})
+    except (json.JSONDecodeError, AttributeError):
+        raise MoendError(f"{path} is not an evaluation report (results.json); delete it to write a new one") from None
 
 
 def bench_heads_section(model_name: str, table_path: str | os.PathLike | None, settings: Any, *,

@@ -52,4 +52,3 @@ def choose_parts(published: Sequence[EvalPart], *, tasks: Sequence[str] | None =
     if n is not None:
         over["n"] = n
     return tuple(replace(p, **over) for p in published)
-

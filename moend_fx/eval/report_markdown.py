@@ -144,9 +144,9 @@ def _seeds(cfg: dict[str, Any]) -> str:
 
 
 def coverage(rows: Sequence[dict[str, Any]]) -> str:
-    """What a report's rows cover, length by length: ``"2048: passkey, niah_single (n = 30); 7900: niah_single
-    (n = 20)"`` (runs of several parts, or pooled runs, differ in tasks and n by length). rows: summary rows;
-    the task averages and cells with no result are left out."""
+    """What a report's rows cover, length by length: ``"2048 tokens: niah_single, passkey (n = 30 per task); 7900
+    tokens: niah_single (n = 20 per task)"`` (runs of several parts, or pooled runs, differ in tasks and n by
+    length). rows: summary rows; the task averages and cells with no result are left out."""
     per: dict[int, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     for r in rows:
         if r["task"] != AVG and r["mean"] is not None:

@@ -148,3 +148,14 @@ def test_bench_eval_runs_every_part_into_one_report_and_resumes(folder, tmp_path
 
 def meta_plans(out):
     return json.loads((out / "eval" / "results.json").read_text())["plans"]
+
+
+def test_bench_eval_names_a_damaged_report_it_would_resume_from(folder, tmp_path, capsys):
+    bad = tmp_path / "res" / "eval" / "results.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    assert main(["bench", "eval", "--model", str(folder), "--out", str(tmp_path / "res"), "--doc", "",
+                 "--lengths", "160", "--n", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "results.json is not an evaluation report" in err and "Traceback" not in err
+    assert bad.read_text() == "{not json"  # left as it was
