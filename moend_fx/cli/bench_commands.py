@@ -190,8 +190,8 @@ def cmd_triton(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from moend_fx.bench.published import PUBLISHED_EVAL
     from moend_fx.bench.suite import bench_eval_section
-    from moend_fx.cli.bench import PUBLISHED_EVAL
     from moend_fx.eval.config import EvalConfig
     from moend_fx.eval.parts import choose_parts
 

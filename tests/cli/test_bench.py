@@ -113,8 +113,8 @@ def test_user_errors_are_one_line(argv, words, capsys):
 def test_bench_eval_runs_every_part_into_one_report_and_resumes(folder, tmp_path, capsys, monkeypatch):
     """The published evaluation is parts of different tasks, lengths and n: one records file, one report whose
     header says what each length holds, and a second call runs nothing."""
+    from moend_fx.bench.published import PUBLISHED_EVAL
     from moend_fx.calibration.pipeline import calibrate
-    from moend_fx.cli.bench import PUBLISHED_EVAL
     from moend_fx.eval.parts import EvalPart
     from moend_fx.eval.runner import Runner
     from moend_fx.models import load_model
