@@ -19,7 +19,8 @@ table's greedy plan for the example's length:
   with that rule off (``narrow_k_min_keep=0``: 4-bit keys at any keep ratio, the default before the rule);
   ``last-resort-every-length``: the greedy plan with the rule at every context length (``narrow_k_max_context=0``;
   by default it covers plans for contexts up to 4096 tokens only, so at 8k this is the rule's plan and ``base``
-  the plan without it);
+  the plan without it); ``narrow-k-min-keep=R``: the greedy plan with the rule's keep ratio at R (default 0.5;
+  1: 4-bit keys a last resort on every layer that evicts);
 * ``table=PATH``: the greedy plan for the same budget on another table of this model (a safetensors table file,
   e.g. one whose S was measured otherwise), the cache's scorer and statistics unchanged;
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
@@ -82,7 +83,8 @@ SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "v
 SCORER_CHOICES = {"head-reduce": ("head_reduce", HeadReduce), "combine": ("combine", ScoreCombine)}
 SCORER_OPTIONS = (*SCORER_WEIGHTS, *SCORER_CHOICES, "kernel", "pooling")
 ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, last-resort-every-length, "
-           "k4-floor=R (0 < R <= 1), table=PATH, kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
+           "k4-floor=R (0 < R <= 1), narrow-k-min-keep=R (0 <= R <= 1), table=PATH, kXvY (X, Y in 2, 4, 8, 16), "
+           "kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", "
            + ", ".join(f"{c}={'|'.join(e)}" for c, (_, e) in SCORER_CHOICES.items()) + ", " + ", ".join(FAKE_K4))
 
@@ -107,6 +109,8 @@ def check_variant(variant: str) -> str:
         if name == "kernel" and int(value) % 2 == 1 and int(value) > 0:
             return variant
         if name == "k4-floor" and 0 < float(value) <= 1:
+            return variant
+        if name == "narrow-k-min-keep" and 0 <= float(value) <= 1:
             return variant
         if name == "table" and Path(value).is_file():
             return variant
@@ -138,6 +142,9 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
     if variant == "narrow-k-anywhere":
         return get_solver("greedy", narrow_k_min_keep=0.0).solve(table, budget,
                                                                  context_length=plan.context_length).plan
+    if variant.startswith("narrow-k-min-keep="):
+        return get_solver("greedy", narrow_k_min_keep=float(variant.partition("=")[2])).solve(
+            table, budget, context_length=plan.context_length).plan
     if variant == "last-resort-every-length":
         return get_solver("greedy", narrow_k_max_context=0).solve(table, budget,
                                                                  context_length=plan.context_length).plan

@@ -74,6 +74,19 @@ def test_narrow_k_anywhere_is_the_greedy_plan_without_the_last_resort_rule(ablat
     assert anywhere.budget_bytes == plan.budget_bytes and plan_bytes(anywhere) <= anywhere.budget_bytes
 
 
+def test_narrow_k_min_keep_moves_the_last_resort_rules_keep_ratio(ablation):
+    table = load_table("synthetic:30:0")
+    plan = get_solver("greedy").solve(table, "10x", context_length=2048).plan
+    assert any(c.k_bits <= 4 and c.keep_ratio < 1.0 for c in plan.layers)  # else this tests nothing
+    evicting = ablation.variant_plan(plan, ablation.check_variant("narrow-k-min-keep=1"), table, "10x")
+    assert not any(c.k_bits <= 4 and c.keep_ratio < 1.0 for c in evicting.layers)
+    assert evicting.budget_bytes == plan.budget_bytes and plan_bytes(evicting) <= evicting.budget_bytes
+    assert (ablation.variant_plan(plan, "narrow-k-min-keep=0", table, "10x").layers
+            == ablation.variant_plan(plan, "narrow-k-anywhere", table, "10x").layers)
+    with pytest.raises(MoendError, match=r"allowed: .*narrow-k-min-keep=R \(0 <= R <= 1\)"):
+        ablation.check_variant("narrow-k-min-keep=1.5")
+
+
 def test_last_resort_every_length_is_the_rules_plan_past_its_max_context(ablation):
     table = load_table("synthetic:30:0")
     long = get_solver("greedy").solve(table, "16x", context_length=4097).plan  # past the rule's 4096 tokens
