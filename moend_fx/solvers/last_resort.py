@@ -11,7 +11,9 @@ measured: the published evaluation gains at 2k-4k and loses at 8k, and on plain 
 continuation KL is 1.13-3.7x higher at 4x-16x (docs/results.md, "Narrow keys as a last resort"). So the rule
 covers plans for contexts of at most :data:`NARROW_K_MAX_CONTEXT` tokens: at 8k it moved no needles measurably (3
 examples better, 7 worse over 140 paired, 60 of them held out) and cost 20-33% more continuation KL (docs/results.md,
-"The last-resort rule at 8k and on plain text"). Pass
+"The last-resort rule at 8k and on plain text"). On every layer that evicts (``narrow_k_min_keep=1``) it was screened
+and not adopted: it wins passkeys and cuts the last digit off six-digit needles, 8 examples better and 9 worse
+over 480 paired at 2k-4k (docs/results.md, "Narrow keys on every evicting layer"). Pass
 ``narrow_k_min_keep=0`` for the plans that minimise the table's predicted loss at every length, or
 ``narrow_k_max_context=0`` for the rule at every length.
 """
