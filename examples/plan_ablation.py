@@ -20,7 +20,8 @@ table's greedy plan for the example's length:
   ``last-resort-every-length``: the greedy plan with the rule at every context length (``narrow_k_max_context=0``;
   by default it covers plans for contexts up to 4096 tokens only, so at 8k this is the rule's plan and ``base``
   the plan without it); ``narrow-k-min-keep=R``: the greedy plan with the rule's keep ratio at R (default 0.5;
-  1: 4-bit keys a last resort on every layer that evicts);
+  1: 4-bit keys a last resort on every layer that evicts); ``pin=LAYER:CONFIG``: the greedy plan with that layer
+  held at that config (``pin=7:keep0.5_k8_v4``); the two combine with ``+``;
 * ``table=PATH``: the greedy plan for the same budget on another table of this model (a safetensors table file,
   e.g. one whose S was measured otherwise), the cache's scorer and statistics unchanged;
 * ``kernel=N`` / ``pooling=P``: the plan with the scorer's pooling kernel / pooling (``pooling`` for trig only);
@@ -82,9 +83,10 @@ SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "v
 # scorer options a variant may set by name: the query-aware scorer's head folding and score joining
 SCORER_CHOICES = {"head-reduce": ("head_reduce", HeadReduce), "combine": ("combine", ScoreCombine)}
 SCORER_OPTIONS = (*SCORER_WEIGHTS, *SCORER_CHOICES, "kernel", "pooling")
+PLAN_OPTIONS = ("narrow-k-min-keep", "pin")  # solve options that combine with "+" (see variant_plan)
 ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, last-resort-every-length, "
-           "k4-floor=R (0 < R <= 1), narrow-k-min-keep=R (0 <= R <= 1), table=PATH, kXvY (X, Y in 2, 4, 8, 16), "
-           "kernel=N (odd), pooling=max|avg|none, "
+           "k4-floor=R (0 < R <= 1), narrow-k-min-keep=R (0 <= R <= 1), pin=LAYER:CONFIG, table=PATH, "
+           "kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", "
            + ", ".join(f"{c}={'|'.join(e)}" for c, (_, e) in SCORER_CHOICES.items()) + ", " + ", ".join(FAKE_K4))
 
@@ -95,12 +97,13 @@ def check_variant(variant: str) -> str:
     Scorer options combine with ``+`` (``value-weight=1+pooling=avg``)."""
     if "+" in variant:
         parts = variant.split("+")
-        if all(p.partition("=")[0] in SCORER_OPTIONS for p in parts):
+        names = [p.partition("=")[0] for p in parts]
+        if all(n in SCORER_OPTIONS for n in names) or all(n in PLAN_OPTIONS for n in names):
             for p in parts:
                 check_variant(p)
             return variant
-        raise MoendError(f"variant {variant!r}: only scorer options (name=value) combine with '+'; "
-                         f"allowed: {ALLOWED}")
+        raise MoendError(f"variant {variant!r}: only scorer options, or only narrow-k-min-keep and pin, combine "
+                         f"with '+'; allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
         if variant in ("base", "full", "keep1", "keep1-ratio", "ratio", "no-k4", "narrow-k-anywhere",
@@ -111,6 +114,9 @@ def check_variant(variant: str) -> str:
         if name == "k4-floor" and 0 < float(value) <= 1:
             return variant
         if name == "narrow-k-min-keep" and 0 <= float(value) <= 1:
+            return variant
+        if name == "pin" and ":" in value and int(value.partition(":")[0]) >= 0:
+            LayerConfig.from_name(value.partition(":")[2], where=f"variant {variant!r}")
             return variant
         if name == "table" and Path(value).is_file():
             return variant
@@ -128,6 +134,36 @@ def check_variant(variant: str) -> str:
     raise MoendError(f"variant {variant!r} is unknown; allowed: {ALLOWED}")
 
 
+def solved_with(table: Any, budget: str, context_length: int, variant: str) -> RoutingPlan:
+    """The greedy plan for ``budget`` under plan options joined by ``+``: ``narrow-k-min-keep=R`` (the
+    last-resort rule's keep ratio) and ``pin=LAYER:CONFIG`` (that layer held at that config: every other config
+    of the layer barred), e.g. ``narrow-k-min-keep=1+pin=7:keep0.5_k8_v4``. A pin the budget cannot keep is a
+    MoendError, not a silently different plan."""
+    options: dict[str, Any] = {}
+    S = table.S.copy()
+    pins = []
+    for part in variant.split("+"):
+        name, _, value = part.partition("=")
+        if name == "narrow-k-min-keep":
+            options["narrow_k_min_keep"] = float(value)
+        else:
+            layer, _, config = value.partition(":")
+            if int(layer) >= S.shape[0]:
+                raise MoendError(f"variant {variant!r}: layer {layer} is not allowed; allowed: 0..{S.shape[0] - 1}")
+            pin = LayerConfig.from_name(config, where=f"variant {variant!r}")
+            if pin not in table.grid.configs:
+                raise MoendError(f"variant {variant!r}: {pin.name} is not in the table's grid; allowed: "
+                                 f"{table.grid.describe()}")
+            S[int(layer), [j for j, c in enumerate(table.grid.configs) if c != pin]] = BARRED_S
+            pins.append((int(layer), pin))
+    solved = get_solver("greedy", **options).solve(dataclasses.replace(table, S=S), budget,
+                                                   context_length=context_length).plan
+    for layer, pin in pins:
+        if solved.layers[layer] != pin:
+            raise MoendError(f"variant {variant!r}: the {budget} budget cannot hold layer {layer} at {pin.name}")
+    return solved
+
+
 def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> RoutingPlan:
     """The plan a variant compresses with (see the module docstring)."""
     if variant == "no-k4" or variant.startswith("k4-floor="):
@@ -142,9 +178,8 @@ def variant_plan(plan: RoutingPlan, variant: str, table: Any, budget: str) -> Ro
     if variant == "narrow-k-anywhere":
         return get_solver("greedy", narrow_k_min_keep=0.0).solve(table, budget,
                                                                  context_length=plan.context_length).plan
-    if variant.startswith("narrow-k-min-keep="):
-        return get_solver("greedy", narrow_k_min_keep=float(variant.partition("=")[2])).solve(
-            table, budget, context_length=plan.context_length).plan
+    if variant.partition("=")[0] in PLAN_OPTIONS:
+        return solved_with(table, budget, plan.context_length, variant)
     if variant == "last-resort-every-length":
         return get_solver("greedy", narrow_k_max_context=0).solve(table, budget,
                                                                  context_length=plan.context_length).plan

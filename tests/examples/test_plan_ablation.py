@@ -87,6 +87,28 @@ def test_narrow_k_min_keep_moves_the_last_resort_rules_keep_ratio(ablation):
         ablation.check_variant("narrow-k-min-keep=1.5")
 
 
+def test_pin_holds_a_layer_at_its_config_and_combines_with_the_rule(ablation):
+    from moend_fx.plan.config import LayerConfig
+
+    table = load_table("synthetic:30:0")
+    plan = get_solver("greedy").solve(table, "10x", context_length=2048).plan
+    assert plan.layers[7] != LayerConfig(0.5, 8, 4)  # else the pin tests nothing
+    variant = ablation.check_variant("narrow-k-min-keep=1+pin=7:keep0.5_k8_v4")
+    pinned = ablation.variant_plan(plan, variant, table, "10x")
+    assert pinned.layers[7] == LayerConfig(0.5, 8, 4)
+    assert not any(c.k_bits <= 4 and c.keep_ratio < 1.0 for c in pinned.layers)  # the rule still holds
+    assert pinned.budget_bytes == plan.budget_bytes and plan_bytes(pinned) <= pinned.budget_bytes
+    alone = ablation.variant_plan(plan, "pin=7:keep0.5_k8_v4", table, "10x")  # the default rule
+    assert alone.layers[7] == LayerConfig(0.5, 8, 4) and plan_bytes(alone) <= alone.budget_bytes
+    with pytest.raises(MoendError, match="cannot hold layer 7 at keep1_k16_v16"):
+        ablation.variant_plan(plan, "pin=7:keep1_k16_v16+pin=8:keep1_k16_v16+pin=9:keep1_k16_v16+"
+                              "pin=10:keep1_k16_v16", table, "16x")
+    with pytest.raises(MoendError, match="layer 30 is not allowed; allowed: 0..29"):
+        ablation.variant_plan(plan, "pin=30:keep0.5_k8_v4", table, "10x")
+    with pytest.raises(MoendError, match="only narrow-k-min-keep and pin"):
+        ablation.check_variant("pin=7:keep0.5_k8_v4+k8v4")
+
+
 def test_last_resort_every_length_is_the_rules_plan_past_its_max_context(ablation):
     table = load_table("synthetic:30:0")
     long = get_solver("greedy").solve(table, "16x", context_length=4097).plan  # past the rule's 4096 tokens
