@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,16 +9,12 @@ import torch
 
 from moend_fx.common.errors import MoendError
 from moend_fx.plan.config import LayerConfig
-
-SCRIPT = Path(__file__).parents[2] / "examples" / "needle_layers.py"
+from tests.examples.helpers import load_example
 
 
 @pytest.fixture(scope="module")
 def needle():
-    spec = importlib.util.spec_from_file_location("needle_layers", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("needle_layers")
 
 
 def test_find_span_is_the_first_occurrence(needle):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,16 +9,12 @@ from moend_fx.calibration.tables import load_table
 from moend_fx.common.errors import MoendError
 from moend_fx.plan.memory import plan_bytes
 from moend_fx.solvers import get_solver
-
-SCRIPT = Path(__file__).parents[2] / "examples" / "plan_ablation.py"
+from tests.examples.helpers import load_example
 
 
 @pytest.fixture(scope="module")
 def ablation():
-    spec = importlib.util.spec_from_file_location("plan_ablation", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("plan_ablation")
 
 
 @pytest.fixture(scope="module")
