@@ -13,6 +13,8 @@ table's greedy plan for the example's length:
   plan's bytes); ``keep1-ratio``: the same with ``budget_mode="ratio"``, so nothing is ever evicted;
   ``ratio``: the plan itself with ``budget_mode="ratio"``: evicted at the prompt as ``base``, then nothing evicted
   while the answer prefix and the answer are fed (they add their bytes: over the budget, a diagnosis);
+  ``reevict=tokens``: the plan itself, its layers making room during the question and answer by dropping their
+  lowest-ranked tokens (survivors re-quantized) instead of whole packed groups (``reevict=groups``, the default);
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
   ``k4-floor=R``: the same with only the 4-bit-K configs of keep ratio <= R barred (``no-k4`` is ``k4-floor=1``);
   both with the solvers' last-resort rule off, so only the bar applies; ``narrow-k-anywhere``: the greedy plan
@@ -59,7 +61,7 @@ from moend_fx.calibration.tables import setting_tables
 from moend_fx.common.defaults import GROUP_SIZE
 from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
-from moend_fx.common.options import HeadReduce, QuantMode, ScoreCombine
+from moend_fx.common.options import HeadReduce, QuantMode, ReEviction, ScoreCombine
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
 from moend_fx.eval.runner import Runner, example_contexts, load_records
@@ -85,6 +87,7 @@ SCORER_CHOICES = {"head-reduce": ("head_reduce", HeadReduce), "combine": ("combi
 SCORER_OPTIONS = (*SCORER_WEIGHTS, *SCORER_CHOICES, "kernel", "pooling")
 PLAN_OPTIONS = ("narrow-k-min-keep", "pin")  # solve options that combine with "+" (see variant_plan)
 ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, last-resort-every-length, "
+           "reevict=groups|tokens, "
            "k4-floor=R (0 < R <= 1), narrow-k-min-keep=R (0 <= R <= 1), pin=LAYER:CONFIG, table=PATH, "
            "kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", "
@@ -117,6 +120,8 @@ def check_variant(variant: str) -> str:
             return variant
         if name == "pin" and ":" in value and int(value.partition(":")[0]) >= 0:
             LayerConfig.from_name(value.partition(":")[2], where=f"variant {variant!r}")
+            return variant
+        if name == "reevict" and value in list(ReEviction):
             return variant
         if name == "table" and Path(value).is_file():
             return variant
@@ -253,6 +258,17 @@ def scorer_kwargs(variant: str) -> dict[str, Any]:
     return {}
 
 
+def cache_kwargs(variant: str) -> dict[str, Any]:
+    """The cache options a variant changes: ``budget_mode`` for ``ratio`` / ``keep1-ratio``, ``reevict`` for
+    ``reevict=groups|tokens`` (what a decode-time re-eviction drops; none for the others)."""
+    name, _, value = variant.partition("=")
+    if variant in ("keep1-ratio", "ratio"):
+        return {"budget_mode": "ratio"}
+    if name == "reevict":
+        return {"reevict": value}
+    return {}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -302,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for _, state, suffix, _ in example_contexts(model, tok, ex, [cfg.settings[0]], window=cfg.window):
             plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
             for v in todo:
-                kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v)}
-                if v in ("keep1-ratio", "ratio"):
-                    kw["budget_mode"] = "ratio"
+                kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v), **cache_kwargs(v)}
                 with faked_keys(v, rope):
                     if v == "full":
                         cache = build_cache(METHODS["full"], state, model=model)

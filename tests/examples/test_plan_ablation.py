@@ -237,3 +237,14 @@ def test_seed_selects_held_out_examples_and_defaults_to_the_evaluations(ablation
     held_out = ablation.eval_config(ablation.parse_args(["--out", "x", "--seed", "1", "--length", "4096"]))
     assert default.seed == 0 and held_out.seed == 1
     assert held_out.lengths == (4096,) and held_out.methods == ("2d_hetero",)
+
+
+def test_reevict_variant_sets_only_the_caches_re_eviction(ablation, solved):
+    table, plan = solved
+    assert ablation.check_variant("reevict=tokens") == "reevict=tokens"
+    assert ablation.cache_kwargs("reevict=tokens") == {"reevict": "tokens"}
+    assert ablation.cache_kwargs("ratio") == {"budget_mode": "ratio"}
+    assert ablation.cache_kwargs("k8v8") == {}
+    assert ablation.variant_plan(plan, "reevict=tokens", table, "10x") == plan
+    with pytest.raises(MoendError, match="allowed: .*reevict=groups\\|tokens"):
+        ablation.check_variant("reevict=bytes")
