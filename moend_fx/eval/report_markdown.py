@@ -16,6 +16,13 @@ def _pct(row: dict[str, Any]) -> str:
     return f"{100 * row['mean']:.1f} [{100 * row['low']:.0f}, {100 * row['high']:.0f}]"
 
 
+def _peak(row: dict[str, Any], prefix: str = "") -> str:
+    """``row``'s mean peak bytes and ratio (``{prefix}peak_bytes``, ``{prefix}peak_ratio16``); "-" when its
+    records predate the peak measurement."""
+    b, r = row.get(f"{prefix}peak_bytes"), row.get(f"{prefix}peak_ratio16")
+    return "-" if b is None or r is None else f"{format_bytes(b)} ({r:.1f}x)"
+
+
 def _label(row: dict[str, Any]) -> str:
     return row["method"] if row["budget"] is None else f"{row['method']} @ {row['budget']}"
 
@@ -34,8 +41,8 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
                    f"{'/'.join(map(str, ns))}; accuracy % [Wilson 95% CI])\n")
         cols = [*tasks, "avg"] if len(tasks) > 1 else tasks
         out.append("| method @ budget | " + " | ".join(cols) +
-                   " | measured cache | x vs 16-bit | x vs model dtype |")
-        out.append("|---|" + "---:|" * (len(cols) + 3))
+                   " | measured cache | x vs 16-bit | x vs model dtype | peak cache (x vs 16-bit) |")
+        out.append("|---|" + "---:|" * (len(cols) + 4))
         labels: dict[str, dict[str, dict[str, Any]]] = {}
         for r in rs:
             labels.setdefault(_label(r), {})[r["task"]] = r
@@ -46,7 +53,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
             rm = f"{avg['ratio_model']:.2f}" if avg["ratio_model"] is not None else "-"
             vals = [_pct(cells[c if c != "avg" else AVG]) if (c if c != "avg" else AVG) in cells else "-"
                     for c in cols]
-            out.append(f"| {label} | " + " | ".join(vals) + f" | {mem} | {r16} | {rm} |")
+            out.append(f"| {label} | " + " | ".join(vals) + f" | {mem} | {r16} | {rm} | {_peak(avg)} |")
         shared = sorted({f"{_label(r)} = {s}" for r in rs if r["task"] == AVG for s in r["shared"]})
         if shared:
             out.append("\nPlans that coincided in at least one example (one decode there, reported under both "
@@ -73,11 +80,14 @@ def headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero") -> list[
         best = max(feasible, key=lambda b: b["mean"]) if feasible else None
         out.append(dict(
             setting=setting, target_length=length, budget=budget, method=method, mean=r["mean"],
-            measured_bytes=r["measured_bytes"], ratio16=r["ratio16"],
+            measured_bytes=r["measured_bytes"], ratio16=r["ratio16"], peak_bytes=r.get("peak_bytes"),
+            peak_ratio16=r.get("peak_ratio16"),
             full=full["mean"] if full else None,
             vs_full=(r["mean"] - full["mean"]) if full else None,
             best_baseline=best["method"] if best else None, best_baseline_mean=best["mean"] if best else None,
             best_baseline_bytes=best["measured_bytes"] if best else None,
+            best_peak_bytes=best.get("peak_bytes") if best else None,
+            best_peak_ratio16=best.get("peak_ratio16") if best else None,
             vs_best=(r["mean"] - best["mean"]) if best else None,
             infeasible_baselines=[b["method"] for b in base if b["mean"] is None],
         ))
@@ -89,8 +99,8 @@ def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero")
     if not hs:
         return ""
     lines = [f"### {method} vs the full cache and the best uniform baseline at the same budget (task average)\n",
-             "| setting | length | budget | " + method + " | measured | full | delta vs full | best baseline | "
-             "its measured | delta vs best |", "|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| setting | length | budget | " + method + " | measured | peak | full | delta vs full | best baseline | "
+             "its measured | its peak | delta vs best |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
 
     def pts(x):
         return "-" if x is None else f"{100 * x:+.1f}"
@@ -103,11 +113,11 @@ def markdown_headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero")
             best += f" ({', '.join(h['infeasible_baselines'])} infeasible)"
         lines.append(
             f"| {h['setting']} | {h['target_length']} | {h['budget']} | {100 * h['mean']:.1f} | "
-            f"{format_bytes(h['measured_bytes'])} ({h['ratio16']:.1f}x) | "
+            f"{format_bytes(h['measured_bytes'])} ({h['ratio16']:.1f}x) | {_peak(h)} | "
             f"{full} | "
             f"{pts(h['vs_full'])} | {best} | "
             f"{'-' if h['best_baseline_bytes'] is None else format_bytes(h['best_baseline_bytes'])} | "
-            f"{pts(h['vs_best'])} |")
+            f"{_peak(h, 'best_')} | {pts(h['vs_best'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +178,10 @@ def markdown_report(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None 
     head += [
         "Budgets are ratios of a **16-bit** cache of the example's compressed tokens (design.md); memory is the "
         "*measured* bytes of the cache after prefill + compression (packed codes, scales/zeros, positions, "
-        "residual window). `x vs model dtype` is against the model's own (fp32) cache, labelled separately.",
+        "residual window, eviction state), and its *peak*: the most it held after any step of the question and "
+        "answer (a capacity-mode cache leaves room after the prompt that they fill; a full cache grows with "
+        "them), against the same 16-bit cache of the prompt's tokens. `x vs model dtype` is against the model's "
+        "own (fp32) cache, labelled separately.",
         "",
     ]
     skipped = meta.get("skipped_methods") or {}

@@ -16,8 +16,10 @@ Per example (design.md, "Evaluation protocol"):
 So N methods cost one prefill (plus one question chunk), not N. Decoding is greedy and stops at a newline
 after the answer has started, at EOS, once the answers' count of answer-shaped strings is complete (extra
 text cannot change a strict score), or after ``max_new_tokens``. Methods whose plans coincide at a budget
-share one decode (the record says which). Memory is *measured* after prefill + compression
-(``cache_nbytes``), and reported against a 16-bit cache and the model-dtype cache of the same tokens.
+share one decode (the record says which). Memory is *measured* (``cache_nbytes``) after prefill +
+compression (``measured_bytes``, ``ratio16``, ``ratio_model``: against a 16-bit cache and the model-dtype cache
+of the prompt's tokens) and at its peak over the question and answer (``peak_bytes``, ``peak_ratio16``: the
+most the cache held after any forward pass, :class:`~moend_fx.eval.methods.PeakBytes`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from moend_fx.common.host import cpu_name
 from moend_fx.common.io import atomic_write_text
 from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
-from moend_fx.eval.methods import MethodSpec, PrefillState, build_cache, cache_nbytes, check_methods, method_runs
+from moend_fx.eval.methods import MethodSpec, PeakBytes, PrefillState, build_cache, check_methods, method_runs
 from moend_fx.eval.records import RUN_FIELDS, load_records
 from moend_fx.eval.setting_plans import setting_plans
 from moend_fx.eval.steps import (
@@ -57,7 +59,8 @@ from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
 RunKey = tuple[str, str, str | None]
 
 # A record of a method whose plan equals an earlier method's (same example) copies that decode's figures.
-_SHARED = ("measured_bytes", "ratio16", "ratio_model", "generated", "new_tokens", "stop", "score", "decode_s")
+_SHARED = ("measured_bytes", "ratio16", "ratio_model", "peak_bytes", "peak_ratio16", "generated", "new_tokens",
+           "stop", "score", "decode_s")
 
 # --------------------------------------------------------------------------------------------- runner
 
@@ -170,14 +173,17 @@ class Runner:
         """One method's cache from ``state``, then ``suffix`` and the greedy answer: the record's figures."""
         t0 = time.perf_counter()
         cache = build_cache(spec, state, model=self.model, plan=plan, **moend_kw)
-        measured = cache_nbytes(cache)
+        peak = PeakBytes(cache)
+        measured = peak.after_prompt
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         new, why = greedy_decode(self.model, cache, suffix, self.cfg.max_new(len(ex.answers)), tokenizer=self.tokenizer,
-                                 stop=lambda s, ex=ex: stop_reason(ex, s), eos_token_id=self.eos)
+                                 stop=lambda s, ex=ex: stop_reason(ex, s), eos_token_id=self.eos,
+                                 after_step=peak.update)
         text = decode(self.tokenizer, new)
         return dict(measured_bytes=measured, ratio16=base["full16_bytes"] / measured,
-                    ratio_model=base["full_model_bytes"] / measured, generated=text, new_tokens=len(new),
+                    ratio_model=base["full_model_bytes"] / measured, peak_bytes=peak.bytes,
+                    peak_ratio16=base["full16_bytes"] / peak.bytes, generated=text, new_tokens=len(new),
                     stop=why, score=score(ex, text), build_s=round(build_s, 3),
                     decode_s=round(time.perf_counter() - t0, 3))
 

@@ -142,15 +142,20 @@ def stop_reason(example: Example, text: str) -> str | None:
 @torch.inference_mode()
 def greedy_decode(model: Any, cache: Any, suffix_ids: Sequence[int], max_new_tokens: int, *,
                   tokenizer: Any = None, stop: Callable[[str], str | None] | None = None,
-                  eos_token_id: int | None = None, attention: str = EVAL_ATTN) -> tuple[list[int], str]:
+                  eos_token_id: int | None = None, attention: str = EVAL_ATTN,
+                  after_step: Callable[[], None] | None = None) -> tuple[list[int], str]:
     """Feed ``suffix_ids`` through ``cache`` then decode greedily with the registered ``attention``. Returns
-    (new token ids, stop reason: "eos", "max_new_tokens" or what ``stop(decoded text)`` said)."""
+    (new token ids, stop reason: "eos", "max_new_tokens" or what ``stop(decoded text)`` said). ``after_step``
+    is called after every forward pass (the suffix's, then each fed token's), e.g. to track the cache's peak
+    bytes (:class:`moend_fx.eval.methods.PeakBytes`)."""
     dev = model_device(model)
     ids = torch.tensor([list(suffix_ids)], device=dev)
     out: list[int] = []
     for _ in range(max_new_tokens):
         with eval_attention_on(model, attention):
             logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        if after_step is not None:
+            after_step()
         nxt = int(logits[0, -1].argmax())
         if eos_token_id is not None and nxt == eos_token_id:
             return out, "eos"

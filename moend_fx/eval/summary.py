@@ -21,6 +21,9 @@ _GROUP = ("setting", "target_length", "task", "method", "budget")
 MEAN_FIELDS = ("measured_bytes", "ratio16", "ratio_model", "budget_bytes", "full16_bytes", "full_model_bytes",
                "context_tokens", "decode_s", "new_tokens", "predicted_loss")
 """Record fields a summary row holds the mean of."""
+PEAK_FIELDS = ("peak_bytes", "peak_ratio16")
+"""Record fields a summary row holds the mean of only when every record has them (records written before they
+were measured lack them: a mean over part of a row would compare other examples)."""
 _PER_PROMPT = ("budget_bytes", "full16_bytes", "context_tokens", "full_model_bytes")
 
 
@@ -28,6 +31,11 @@ def mean_or_none(xs: Sequence[float | None]) -> float | None:
     """The mean of the values that are not None (None if there are none)."""
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
+
+
+def mean_if_all(xs: Sequence[float | None]) -> float | None:
+    """The mean of ``xs`` if none is None and there is one, else None."""
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)  # type: ignore[arg-type]
 
 
 def summarize_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -53,6 +61,8 @@ def summarize_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]
         for f in MEAN_FIELDS:
             # Figures of a decode come from the scored records; those of the budget and the prompt from all.
             row[f] = mean_or_none([r.get(f) for r in (rs if f in _PER_PROMPT else scored)])
+        for f in PEAK_FIELDS:
+            row[f] = mean_if_all([r.get(f) for r in scored])
         row["shared"] = sorted({r["shared_with"] for r in rs if r.get("shared_with")})
         rows.append(row)
     rows += _averages(rows, groups)
@@ -106,6 +116,8 @@ def _averages(rows: list[dict[str, Any]], groups: dict[tuple, list[dict[str, Any
             row.update(mean=None, low=None, high=None, ci=None)
         for f in MEAN_FIELDS:
             row[f] = mean_or_none([r[f] for r in rs])
+        for f in PEAK_FIELDS:
+            row[f] = mean_if_all([r[f] for r in rs])
         row["shared"] = sorted({s for r in rs for s in r["shared"]})
         out.append(row)
     return out

@@ -99,6 +99,30 @@ def test_headline_compares_with_full_and_best_feasible_baseline():
     assert "| query_aware | 2048 | 14x | 65.0 |" in markdown_report(summarize_records(recs))
 
 
+def _with_peak(r, peak):
+    return dict(r, peak_bytes=peak, peak_ratio16=FULL16 / peak) if r.get("score") is not None else r
+
+
+def test_peak_bytes_are_averaged_only_over_rows_whose_records_all_have_them():
+    """Records written before the peak was measured lack it: a row mixing them shows no peak (its mean would
+    cover other examples than its accuracy), a row whose records all have it shows it, per task and averaged."""
+    recs = [_with_peak(r, r["measured_bytes"] + 100_000) if r["method"] == "2d_hetero" else r for r in _records()]
+    recs += [_with_peak(_rec(t, "2d_uniform", "14x", 1.0, i, measured=3_100_000), 3_150_000)
+             for t in ("passkey", "niah_single") for i in range(10)]
+    recs[0] = _with_peak(recs[0], 2 * FULL16 + 10)  # one full-cache record of ten with a peak
+    rows = summarize_records(recs)
+    by = {(r["task"], r["method"]): r for r in rows}
+    assert by[("passkey", "2d_hetero")]["peak_bytes"] == pytest.approx(3_300_000)
+    assert by[(AVG, "2d_hetero")]["peak_bytes"] == pytest.approx(3_350_000)
+    assert by[(AVG, "2d_hetero")]["peak_ratio16"] == pytest.approx((FULL16 / 3_300_000 + FULL16 / 3_400_000) / 2)
+    assert by[("passkey", "full")]["peak_bytes"] is None and by[(AVG, "full")]["peak_bytes"] is None
+    md = markdown_report(rows)
+    assert "| 28.13 | 3.35 MB (13.6x) |" in md and "| 3.25 MB (14.1x) | 3.35 MB (13.6x) |" in md  # table, headline
+    assert "| 3.10 MB | 3.15 MB (14.5x) |" in md  # the best baseline's measured and peak bytes
+    full_row = next(line for line in md.splitlines() if line.startswith("| full |"))
+    assert full_row.endswith("| - |")
+
+
 def test_headline_tells_a_budget_no_baseline_ran_at_from_one_none_could_meet():
     """A budget only MoE-nD ran at says "none run", one where every baseline was infeasible "none feasible"."""
     infeasible_only = [r for r in _records() if r["method"] != "2d_uniform"]

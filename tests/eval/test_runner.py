@@ -14,6 +14,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import (
     METHODS,
+    PeakBytes,
     PlanBook,
     build_cache,
     cache_nbytes,
@@ -76,8 +77,12 @@ def test_runner_end_to_end_record_grid(model, table, tmp_path):
         assert r["measured_bytes"] > 0 and r["ratio16"] == pytest.approx(r["full16_bytes"] / r["measured_bytes"])
         if r["budget_bytes"] is not None:
             assert r["measured_bytes"] <= r["budget_bytes"], r  # measured memory honours the budget
+            assert r["peak_bytes"] <= r["budget_bytes"], r  # ... at every step of the question and answer
+        assert r["peak_bytes"] >= r["measured_bytes"]
+        assert r["peak_ratio16"] == pytest.approx(r["full16_bytes"] / r["peak_bytes"])
     full = [r for r in res.records if r["method"] == "full"]
     assert all(r["ratio16"] == pytest.approx(0.5) for r in full)  # fp32 model: twice a 16-bit cache
+    assert all(r["peak_bytes"] > r["measured_bytes"] for r in full)  # it grows with the question and answer
     # Records are saved after every example; plans are summarised per (method, budget, length).
     saved = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(saved) == len(res.records)
@@ -193,6 +198,30 @@ def test_measured_bytes_equal_memory_model(model, table, example, method, budget
     floor = keep_floor(entry.plan)  # sinks + recent window: short prompts keep at least these
     want = [keep_count(state.length, c.keep_ratio, floor) for c in entry.plan.layers]
     assert all(h <= w for h, w in zip(cache.held_tokens(), want))
+
+
+def test_peak_bytes_track_the_most_a_cache_held_over_the_decode(model, table, example):
+    """greedy_decode calls after_step after every forward pass (the suffix, then each fed token), and PeakBytes
+    keeps the largest measurement: a capacity-mode cache fills the room it left after the prompt, up to its cap."""
+    ctx, suffix = _ids(example, "query_agnostic")
+    model.set_attn_implementation(EVAL_ATTN)
+    try:
+        state = prefill(model, ctx)
+        entry = PlanBook(table).get("2d_uniform", "4x", state.length)
+        cache = build_cache(METHODS["2d_uniform"], state, model=model, plan=entry.plan, scorer="snapkv")
+        peak, seen = PeakBytes(cache), []
+        assert peak.after_prompt == peak.bytes == cache_nbytes(cache)
+
+        def step() -> None:
+            peak.update()
+            seen.append(cache_nbytes(cache))
+
+        new, why = greedy_decode(model, cache, suffix, 40, after_step=step)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert why == "max_new_tokens" and len(seen) == 40  # the suffix's pass and 39 fed tokens
+    assert peak.bytes == max([peak.after_prompt, *seen]) > peak.after_prompt
+    assert peak.bytes <= cache.budget_bytes().total
 
 
 def test_state_is_not_modified_by_methods(model, table, example):
