@@ -29,6 +29,7 @@ from moend_fx.eval.methods import METHODS, build_cache
 from moend_fx.eval.runner import Runner, example_contexts
 from moend_fx.eval.steps import EVAL_ATTN, decode, encode, greedy_decode, stop_reason
 from moend_fx.eval.tasks.registry import make_examples
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.models import load_model
 
 
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ablation = _ablation()
     variants = [ablation.check_variant(v) for v in args.variants.split(",") if v]
+    if "full" in variants:
+        raise MoendError("variant 'full' holds every token on every layer: there is nothing per layer to show; "
+                         "allowed: the other variants of examples/plan_ablation.py")
     if not 0 <= args.index < args.n:
         raise MoendError(f"--index {args.index} is not allowed; allowed: 0 <= index < --n ({args.n})")
     if args.threads:
@@ -106,14 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     start = find_span(encode(tok, ex.prefill_text("query_agnostic"), special=True), needle)
     print(f"{args.task} at {args.length} tokens, {args.setting}, seed {args.seed}, example {args.index}: answer "
           f"{ex.answers[0]!r} = tokens {needle} at position {start}")
-    spec = METHODS["2d_hetero"]
+    spec, rope = METHODS["2d_hetero"], rope_from_model(model)
     for _, state, suffix, _ in example_contexts(model, tok, ex, cfg.settings, window=cfg.window):
         plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
         for v in variants:
             vplan = ablation.variant_plan(plan, v, setting_plans.table, args.budget)
-            cache = build_cache(spec, state, model=model, plan=vplan, **setting_plans.moend_kw)
-            new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
-                                   stop=lambda s: stop_reason(ex, s))
+            # a variant's scorer and cache options as plan_ablation.py sets them (not only its plan)
+            kw = {**setting_plans.moend_kw, "scorer_kwargs": ablation.scorer_kwargs(v), **ablation.cache_kwargs(v)}
+            with ablation.faked_keys(v, rope):
+                cache = build_cache(spec, state, model=model, plan=vplan, **kw)
+                new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,
+                                       stop=lambda s: stop_reason(ex, s))
             print(f"{v}: answered {decode(tok, new)!r}")
             print("  " + " ".join(layer_rows(cache, vplan, start, len(needle))))
     return 0

@@ -43,8 +43,10 @@ def test_layer_rows_name_each_layers_config_and_counts(needle):
     assert needle.layer_rows(cache, plan, 7, 3) == ["0:keep0.25_k8_v4:221", "1:keep1_k16_v16:-"]
 
 
-def test_a_bad_index_is_a_clear_error_before_any_model_loads(needle):
+def test_a_bad_index_or_variant_is_a_clear_error_before_any_model_loads(needle):
     with pytest.raises(MoendError, match=r"--index 30 is not allowed; allowed: 0 <= index < --n \(30\)"):
         needle.main(["--index", "30"])
     with pytest.raises(MoendError, match="variant 'nope' is unknown"):
         needle.main(["--variants", "nope"])
+    with pytest.raises(MoendError, match="'full' holds every token"):
+        needle.main(["--variants", "base,full"])
