@@ -74,6 +74,7 @@ from moend_fx.plan.config import LayerConfig
 from moend_fx.plan.memory import split_packed
 from moend_fx.plan.routing import RoutingPlan
 from moend_fx.solvers import get_solver
+from moend_fx.solvers.last_resort import NARROW_K_MAX_CONTEXT, NARROW_K_MIN_KEEP, last_resort_columns, rule_min_keep
 from moend_fx.storage.packed import PackedKV
 from moend_fx.storage.quant import dequantize, quantize
 
@@ -161,6 +162,13 @@ def solved_with(table: Any, budget: str, context_length: int, variant: str) -> R
                                  f"{table.grid.describe()}")
             S[int(layer), [j for j, c in enumerate(table.grid.configs) if c != pin]] = BARRED_S
             pins.append((int(layer), pin))
+    rule_keep = rule_min_keep(options.get("narrow_k_min_keep", NARROW_K_MIN_KEEP), NARROW_K_MAX_CONTEXT,
+                              context_length)
+    for _, pin in pins:
+        if last_resort_columns(table.grid, rule_keep)[table.grid.configs.index(pin)]:
+            raise MoendError(f"variant {variant!r}: {pin.name} has narrow keys below keep {rule_keep:g}, a last "
+                             f"resort the solver takes only when nothing else fits; add narrow-k-min-keep="
+                             f"{pin.keep_ratio:g} (or 0) to pin it")
     solved = get_solver("greedy", **options).solve(dataclasses.replace(table, S=S), budget,
                                                    context_length=context_length).plan
     for layer, pin in pins:

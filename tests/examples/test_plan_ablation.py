@@ -96,6 +96,11 @@ def test_pin_holds_a_layer_at_its_config_and_combines_with_the_rule(ablation):
     with pytest.raises(MoendError, match="cannot hold layer 7 at keep1_k16_v16"):
         ablation.variant_plan(plan, "pin=7:keep1_k16_v16+pin=8:keep1_k16_v16+pin=9:keep1_k16_v16+"
                               "pin=10:keep1_k16_v16", table, "16x")
+    with pytest.raises(MoendError, match="keep0.25_k4_v4 has narrow keys below keep 0.5, a last resort .* add "
+                       "narrow-k-min-keep=0.25"):
+        ablation.variant_plan(plan, "pin=7:keep0.25_k4_v4", table, "10x")
+    allowed = ablation.variant_plan(plan, "narrow-k-min-keep=0.25+pin=7:keep0.25_k4_v4", table, "10x")
+    assert allowed.layers[7] == LayerConfig(0.25, 4, 4)
     with pytest.raises(MoendError, match="layer 30 is not allowed; allowed: 0..29"):
         ablation.variant_plan(plan, "pin=30:keep0.5_k8_v4", table, "10x")
     with pytest.raises(MoendError, match="only narrow-k-min-keep and pin"):
