@@ -19,7 +19,7 @@ text cannot change a strict score), or after ``max_new_tokens``. Methods whose p
 share one decode (the record says which). Memory is *measured* (``cache_nbytes``) after prefill +
 compression (``measured_bytes``, ``ratio16``, ``ratio_model``: against a 16-bit cache and the model-dtype cache
 of the prompt's tokens) and at its peak over the question and answer (``peak_bytes``, ``peak_ratio16``: the
-most the cache held after any forward pass, :class:`~moend_fx.eval.methods.PeakBytes`).
+most the cache held after any forward pass, :class:`~moend_fx.eval.peak_bytes.PeakBytes`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from moend_fx.common.host import cpu_name
 from moend_fx.common.io import atomic_write_text
 from moend_fx.common.options import Setting
 from moend_fx.eval.config import EvalConfig, EvalResult
-from moend_fx.eval.methods import MethodSpec, PeakBytes, PrefillState, build_cache, check_methods, method_runs
+from moend_fx.eval.methods import MethodSpec, PrefillState, build_cache, check_methods, method_runs
+from moend_fx.eval.peak_bytes import PeakBytes
 from moend_fx.eval.records import RUN_FIELDS, load_records
 from moend_fx.eval.setting_plans import setting_plans
 from moend_fx.eval.steps import (

@@ -147,7 +147,7 @@ def greedy_decode(model: Any, cache: Any, suffix_ids: Sequence[int], max_new_tok
     """Feed ``suffix_ids`` through ``cache`` then decode greedily with the registered ``attention``. Returns
     (new token ids, stop reason: "eos", "max_new_tokens" or what ``stop(decoded text)`` said). ``after_step``
     is called after every forward pass (the suffix's, then each fed token's), e.g. to track the cache's peak
-    bytes (:class:`moend_fx.eval.methods.PeakBytes`)."""
+    bytes (:class:`moend_fx.eval.peak_bytes.PeakBytes`)."""
     dev = model_device(model)
     ids = torch.tensor([list(suffix_ids)], device=dev)
     out: list[int] = []

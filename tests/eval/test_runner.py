@@ -14,7 +14,6 @@ from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import (
     METHODS,
-    PeakBytes,
     PlanBook,
     build_cache,
     cache_nbytes,
@@ -198,30 +197,6 @@ def test_measured_bytes_equal_memory_model(model, table, example, method, budget
     floor = keep_floor(entry.plan)  # sinks + recent window: short prompts keep at least these
     want = [keep_count(state.length, c.keep_ratio, floor) for c in entry.plan.layers]
     assert all(h <= w for h, w in zip(cache.held_tokens(), want))
-
-
-def test_peak_bytes_track_the_most_a_cache_held_over_the_decode(model, table, example):
-    """greedy_decode calls after_step after every forward pass (the suffix, then each fed token), and PeakBytes
-    keeps the largest measurement: a capacity-mode cache fills the room it left after the prompt, up to its cap."""
-    ctx, suffix = _ids(example, "query_agnostic")
-    model.set_attn_implementation(EVAL_ATTN)
-    try:
-        state = prefill(model, ctx)
-        entry = PlanBook(table).get("2d_uniform", "4x", state.length)
-        cache = build_cache(METHODS["2d_uniform"], state, model=model, plan=entry.plan, scorer="snapkv")
-        peak, seen = PeakBytes(cache), []
-        assert peak.after_prompt == peak.bytes == cache_nbytes(cache)
-
-        def step() -> None:
-            peak.update()
-            seen.append(cache_nbytes(cache))
-
-        new, why = greedy_decode(model, cache, suffix, 40, after_step=step)
-    finally:
-        model.set_attn_implementation("sdpa")
-    assert why == "max_new_tokens" and len(seen) == 40  # the suffix's pass and 39 fed tokens
-    assert peak.bytes == max([peak.after_prompt, *seen]) > peak.after_prompt
-    assert peak.bytes <= cache.budget_bytes().total
 
 
 def test_state_is_not_modified_by_methods(model, table, example):
