@@ -15,6 +15,8 @@ table's greedy plan for the example's length:
   while the answer prefix and the answer are fed (they add their bytes: over the budget, a diagnosis);
   ``reevict=tokens``: the plan itself, its layers making room during the question and answer by dropping their
   lowest-ranked tokens (survivors re-quantized) instead of whole packed groups (``reevict=groups``, the default);
+  ``evict-every=N``: the plan itself, each layer leaving room for min(N, 32) tokens when it evicts (default 128:
+  32), so ``evict-every=1`` holds the cap's tokens after the prompt and evicts at each token that does not fit;
 * ``no-k4``: the greedy plan for the same budget on the table with every 4-bit-K config barred (S set to 10);
   ``k4-floor=R``: the same with only the 4-bit-K configs of keep ratio <= R barred (``no-k4`` is ``k4-floor=1``);
   both with the solvers' last-resort rule off, so only the bar applies; ``narrow-k-anywhere``: the greedy plan
@@ -87,8 +89,9 @@ SCORER_WEIGHTS = {"trig-weight": "trig_weight", "norm-weight": "norm_weight", "v
 SCORER_CHOICES = {"head-reduce": ("head_reduce", HeadReduce), "combine": ("combine", ScoreCombine)}
 SCORER_OPTIONS = (*SCORER_WEIGHTS, *SCORER_CHOICES, "kernel", "pooling")
 PLAN_OPTIONS = ("narrow-k-min-keep", "pin")  # solve options that combine with "+" (see variant_plan)
+CACHE_OPTIONS = ("reevict", "evict-every")  # cache options that combine with "+" (see cache_kwargs)
 ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, last-resort-every-length, "
-           "reevict=groups|tokens, "
+           "reevict=groups|tokens, evict-every=N (>= 1), "
            "k4-floor=R (0 < R <= 1), narrow-k-min-keep=R (0 <= R <= 1), pin=LAYER:CONFIG, table=PATH, "
            "kXvY (X, Y in 2, 4, 8, 16), kernel=N (odd), pooling=max|avg|none, "
            + ", ".join(f"{w}=W (>= 0)" for w in SCORER_WEIGHTS) + ", "
@@ -98,16 +101,17 @@ ALLOWED = ("base, full, keep1, keep1-ratio, ratio, no-k4, narrow-k-anywhere, las
 def check_variant(variant: str) -> str:
     """``variant`` if it names a variant this script knows (before any model is loaded), else a MoendError.
 
-    Scorer options combine with ``+`` (``value-weight=1+pooling=avg``)."""
+    Scorer options combine with ``+`` (``value-weight=1+pooling=avg``), as do plan options
+    (``narrow-k-min-keep=1+pin=7:keep0.5_k8_v4``) and cache options (``evict-every=1+reevict=tokens``)."""
     if "+" in variant:
         parts = variant.split("+")
         names = [p.partition("=")[0] for p in parts]
-        if all(n in SCORER_OPTIONS for n in names) or all(n in PLAN_OPTIONS for n in names):
+        if any(all(n in group for n in names) for group in (SCORER_OPTIONS, PLAN_OPTIONS, CACHE_OPTIONS)):
             for p in parts:
                 check_variant(p)
             return variant
-        raise MoendError(f"variant {variant!r}: only scorer options, or only narrow-k-min-keep and pin, combine "
-                         f"with '+'; allowed: {ALLOWED}")
+        raise MoendError(f"variant {variant!r}: only scorer options, only narrow-k-min-keep and pin, or only "
+                         f"reevict and evict-every combine with '+'; allowed: {ALLOWED}")
     name, _, value = variant.partition("=")
     try:
         if variant in ("base", "full", "keep1", "keep1-ratio", "ratio", "no-k4", "narrow-k-anywhere",
@@ -123,6 +127,8 @@ def check_variant(variant: str) -> str:
             LayerConfig.from_name(value.partition(":")[2], where=f"variant {variant!r}")
             return variant
         if name == "reevict" and value in list(ReEviction):
+            return variant
+        if name == "evict-every" and int(value) >= 1:
             return variant
         if name == "table" and Path(value).is_file():
             return variant
@@ -268,12 +274,18 @@ def scorer_kwargs(variant: str) -> dict[str, Any]:
 
 def cache_kwargs(variant: str) -> dict[str, Any]:
     """The cache options a variant changes: ``budget_mode`` for ``ratio`` / ``keep1-ratio``, ``reevict`` for
-    ``reevict=groups|tokens`` (what a decode-time re-eviction drops; none for the others)."""
+    ``reevict=groups|tokens`` (what a decode-time re-eviction drops), ``evict_every`` for ``evict-every=N`` (in
+    capacity mode a layer leaves room for min(N, 32) tokens when it evicts, after the prompt too; none for the
+    others)."""
+    if "+" in variant:
+        return {k: v for p in variant.split("+") for k, v in cache_kwargs(p).items()}
     name, _, value = variant.partition("=")
     if variant in ("keep1-ratio", "ratio"):
         return {"budget_mode": "ratio"}
     if name == "reevict":
         return {"reevict": value}
+    if name == "evict-every":
+        return {"evict_every": int(value)}
     return {}
 
 

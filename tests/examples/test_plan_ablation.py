@@ -250,6 +250,13 @@ def test_reevict_variant_sets_only_the_caches_re_eviction(ablation, solved):
     assert ablation.cache_kwargs("reevict=tokens") == {"reevict": "tokens"}
     assert ablation.cache_kwargs("ratio") == {"budget_mode": "ratio"}
     assert ablation.cache_kwargs("k8v8") == {}
+    assert ablation.check_variant("evict-every=1") == "evict-every=1"
+    assert ablation.cache_kwargs("evict-every=1") == {"evict_every": 1}
+    with pytest.raises(MoendError, match="allowed: .*evict-every=N"):
+        ablation.check_variant("evict-every=0")
+    both = ablation.check_variant("evict-every=1+reevict=tokens")
+    assert ablation.cache_kwargs(both) == {"evict_every": 1, "reevict": "tokens"}
+    assert ablation.variant_plan(plan, both, table, "10x") == plan
     assert ablation.variant_plan(plan, "reevict=tokens", table, "10x") == plan
     with pytest.raises(MoendError, match="allowed: .*reevict=groups\\|tokens"):
         ablation.check_variant("reevict=bytes")
