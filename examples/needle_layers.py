@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             vplan = ablation.variant_plan(plan, v, setting_plans.table, args.budget)
             # a variant's scorer and cache options as plan_ablation.py sets them (not only its plan)
-            kw = {**setting_plans.moend_kw, "scorer_kwargs": ablation.scorer_kwargs(v), **ablation.cache_kwargs(v)}
+            kw = ablation.variant_kwargs(setting_plans.moend_kw, v)
             with ablation.faked_keys(v, rope):
                 cache = build_cache(spec, state, model=model, plan=vplan, **kw)
                 new, _ = greedy_decode(model, cache, suffix, cfg.max_new(len(ex.answers)), tokenizer=tok,

@@ -289,6 +289,12 @@ def cache_kwargs(variant: str) -> dict[str, Any]:
     return {}
 
 
+def variant_kwargs(moend_kw: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The MoENDCache options of ``variant``: the evaluation's ``moend_kw`` with the variant's scorer options
+    (:func:`scorer_kwargs`) and cache options (:func:`cache_kwargs`)."""
+    return {**moend_kw, "scorer_kwargs": scorer_kwargs(variant), **cache_kwargs(variant)}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         for _, state, suffix, _ in example_contexts(model, tok, ex, [cfg.settings[0]], window=cfg.window):
             plan = setting_plans.plans.get(spec.name, args.budget, state.length).plan
             for v in todo:
-                kw = {**setting_plans.moend_kw, "scorer_kwargs": scorer_kwargs(v), **cache_kwargs(v)}
+                kw = variant_kwargs(setting_plans.moend_kw, v)
                 with faked_keys(v, rope):
                     if v == "full":
                         cache = build_cache(METHODS["full"], state, model=model)

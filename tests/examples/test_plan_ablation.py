@@ -257,6 +257,10 @@ def test_reevict_variant_sets_only_the_caches_re_eviction(ablation, solved):
     both = ablation.check_variant("evict-every=1+reevict=tokens")
     assert ablation.cache_kwargs(both) == {"evict_every": 1, "reevict": "tokens"}
     assert ablation.variant_plan(plan, both, table, "10x") == plan
+    assert ablation.variant_kwargs({"window": 32, "reevict": "groups"}, "kernel=17+pooling=avg") == {
+        "window": 32, "reevict": "groups", "scorer_kwargs": {"kernel_size": 17, "pooling": "avg"}}
+    assert ablation.variant_kwargs({"reevict": "groups"}, both) == {
+        "reevict": "tokens", "evict_every": 1, "scorer_kwargs": {}}
     assert ablation.variant_plan(plan, "reevict=tokens", table, "10x") == plan
     with pytest.raises(MoendError, match="allowed: .*reevict=groups\\|tokens"):
         ablation.check_variant("reevict=bytes")
