@@ -112,7 +112,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     run.setup_model(model, m, settings, table)
     ids = torch.randint(0, model.config.vocab_size, (1, n - spec["steps"] - 1),
                         generator=torch.Generator().manual_seed(settings.seed + n))
-    cache = run.new_cache(model, m, n, table)
+    cache = run.new_cache(model, m, n, table, settings)
     tok = model.forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
     times: list[float] = []
     with decode_compile_settings() if m.moend else contextlib.nullcontext():

@@ -35,16 +35,26 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{format_bytes(meta['weight_bytes'])} + cache) / {s['bandwidth_gbs']:g} GB/s. RSS growth = peak "
         "process RSS above the pre-prefill level (prefill / decode), an upper bound.",
         "",
-        "| method | context | ms/token | speed-up | cache | ratio 16-bit | ratio model dtype | "
-        "RSS growth prefill / decode (MB) | roofline ms | x roofline |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in (r for r in result["rows"] if r.get("batch", 1) == 1):
+    rows = [r for r in result["rows"] if r.get("batch", 1) == 1]
+    # results written before ms_mean was recorded render as they were published
+    mean = any("ms_mean" in r for r in rows)
+    if "evict_every" in s:
+        lines[0] += (f" MoENDCache eviction: room for min({s['evict_every']}, 32) tokens when a layer evicts, "
+                     f"decode-time re-evictions drop {s['reevict']}.")
+    lines += [
+        "| method | context | ms/token | " + ("mean ms | " if mean else "") + "speed-up | cache | ratio 16-bit | "
+        "ratio model dtype | RSS growth prefill / decode (MB) | roofline ms | x roofline |",
+        "| --- | ---: | ---: | " + ("---: | " if mean else "") + "---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {r['tokens']} | unavailable: {r['reason']} | | | | | | | |")
+            lines.append(f"| {r['method']} | {r['tokens']} | unavailable: {r['reason']} | "
+                         + ("| " if mean else "") + "| | | | | | |")
             continue
+        mean_cell = (f"{r['ms_mean']:.1f} | " if "ms_mean" in r else "| ") if mean else ""
         lines.append(
-            f"| {r['method']} | {r['tokens']} | {r['ms_median']:.1f} | {_x(r.get('speedup_vs_baseline'))} | "
+            f"| {r['method']} | {r['tokens']} | {r['ms_median']:.1f} | {mean_cell}{_x(r.get('speedup_vs_baseline'))} | "
             f"{format_bytes(r['cache_bytes'])} | {_x(r['cache_ratio_16bit'], 1)} | "
             f"{_x(r['cache_ratio_model_dtype'], 1)} | {_mb(r['prefill_peak_rss_growth'])} / "
             f"{_mb(r['decode_peak_rss_growth'])} | {r['roofline_ms']:.1f} | {r['x_roofline']:.2f}x |"

@@ -72,9 +72,10 @@ def teardown_model(model: Any) -> None:
     unprepare(model)
 
 
-def new_cache(model: Any, m: DecodeMethod, length: int, table: Any) -> Any:
+def new_cache(model: Any, m: DecodeMethod, length: int, table: Any, settings: DecodeBenchSettings) -> Any:
     """An empty cache for method ``m`` at context ``length``: a ``DynamicCache``, or a MoENDCache for the
-    length's plan (with the table's calibrated query statistics, if it has them)."""
+    length's plan (with the table's calibrated query statistics, if it has them, and the settings' eviction
+    options)."""
     if not m.moend:
         from transformers import DynamicCache
 
@@ -83,7 +84,7 @@ def new_cache(model: Any, m: DecodeMethod, length: int, table: Any) -> Any:
     from moend_fx.eviction.rope import rope_from_model
 
     stats = layer_query_stats(table) if table is not None else None
-    return MoENDCache(m.plans[length], rope=rope_from_model(model), query_stats=stats)
+    return MoENDCache(m.plans[length], rope=rope_from_model(model), query_stats=stats, **settings.cache_kwargs)
 
 
 def compiled_graphs() -> int:
@@ -121,7 +122,7 @@ def run_one(model: Any, m: DecodeMethod, length: int, settings: DecodeBenchSetti
     release_memory()
     base_rss = rss_bytes()
     reset_peak_rss()
-    cache = new_cache(model, m, length, table)
+    cache = new_cache(model, m, length, table, settings)
     t0 = time.perf_counter()
     # The uncompiled forward for the prefill: nn.Module.compile hooks __call__ only, and a compiled
     # 8k-token prefill graph is not what this benchmark measures.
@@ -154,7 +155,8 @@ def run_one(model: Any, m: DecodeMethod, length: int, settings: DecodeBenchSetti
     med = statistics.median(ms)
     return {
         "method": m.name, "tokens": length, "batch": batch, "status": "ok", "reason": None,
-        "ms_median": med, "ms_min": ms[0], "ms_max": ms[-1], "steps": settings.steps,
+        "ms_median": med, "ms_mean": statistics.fmean(ms), "ms_min": ms[0], "ms_max": ms[-1],
+        "steps": settings.steps,
         "tokens_per_s": batch / (med / 1e3), "step_ms": [t * 1e3 for t in times], "step_graphs": graphs,
         "compiled_steps": sum(1 for g in graphs if g), "graphs_compiled": sum(warm_graphs) + sum(graphs),
         "prefill_s": prefill_s, "warmup_s": warmup_s, **row,

@@ -8,8 +8,9 @@ from typing import Any
 
 from moend_fx.bench.capacity import parse_memory_cap
 from moend_fx.common.checks import check_choice, check_int, check_names
+from moend_fx.common.defaults import EVICT_EVERY
 from moend_fx.common.errors import MoendError
-from moend_fx.common.options import InnerCompiler, Kernel
+from moend_fx.common.options import InnerCompiler, Kernel, ReEviction
 from moend_fx.plan.config import LayerConfig
 
 METHODS: tuple[str, ...] = ("full_eager", "full_inductor", "moend_eager", "moend_compiled")
@@ -29,7 +30,12 @@ class DecodeBenchSettings:
     batches: batch sizes measured (each row of a batch holds its own random tokens, same length, no padding) at
     the lengths in ``batch_lengths`` (None: every length); the other lengths run at batch 1 only.
     memory_cap: None, or a size ("8GB", "7.5GiB"): the largest batch each method fits under it, predicted from
-    the memory model (:mod:`moend_fx.bench.capacity`)."""
+    the memory model (:mod:`moend_fx.bench.capacity`).
+    evict_every, reevict: the MoENDCache rows' eviction options (``MoENDCache``'s own; its defaults): how much
+    room a layer leaves when it evicts (``min(evict_every, 32)`` tokens, so ``evict_every=1`` re-evicts at every
+    step once the cap is reached) and what a decode-time re-eviction drops (whole ``groups`` or single
+    ``tokens``). The measured steps then include that re-eviction work: compare ``ms_mean``, which counts it
+    at its true rate, not only the median."""
 
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     steps: int = 16
@@ -44,6 +50,8 @@ class DecodeBenchSettings:
     batches: tuple[int, ...] = (1,)
     batch_lengths: tuple[int, ...] | None = None
     memory_cap: str | None = None
+    evict_every: int = EVICT_EVERY
+    reevict: ReEviction = ReEviction.GROUPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", check_names("methods", "method", self.methods, METHODS, unique=True))
@@ -60,6 +68,8 @@ class DecodeBenchSettings:
             raise MoendError(f"uniform must be a LayerConfig; got {type(self.uniform).__name__}")
         object.__setattr__(self, "kernel", check_choice("kernel", self.kernel, Kernel))
         object.__setattr__(self, "inner", check_choice("inner", self.inner, InnerCompiler))
+        check_int("evict_every", self.evict_every)
+        object.__setattr__(self, "reevict", check_choice("reevict", self.reevict, ReEviction))
         self._check_batches()
         if self.memory_cap is not None:
             parse_memory_cap(self.memory_cap)
@@ -92,7 +102,7 @@ class DecodeBenchSettings:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["uniform"] = self.uniform.to_dict()
-        d["kernel"], d["inner"] = str(self.kernel), str(self.inner)
+        d["kernel"], d["inner"], d["reevict"] = str(self.kernel), str(self.inner), str(self.reevict)
         return d
 
     @classmethod
@@ -103,6 +113,11 @@ class DecodeBenchSettings:
             if kw.get(name) is not None:
                 kw[name] = tuple(kw[name])
         return cls(**kw)
+
+    @property
+    def cache_kwargs(self) -> dict[str, Any]:
+        """The MoENDCache options the MoENDCache rows build their caches with."""
+        return {"evict_every": self.evict_every, "reevict": self.reevict}
 
 
 def parse_methods(text: str | Sequence[str]) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from moend_fx.cli.bench_commands import (
 from moend_fx.cli.calibrate import add_tail_option
 from moend_fx.cli.search import add_measured_args
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
-from moend_fx.common.options import InnerCompiler, Kernel
+from moend_fx.common.options import InnerCompiler, Kernel, ReEviction
 from moend_fx.eval.parts import describe_parts
 
 DEFAULT_OUT = "results/bench"
@@ -108,6 +108,11 @@ def register(subparsers: Any) -> None:
     d.add_argument("--memory-cap", default="",
                    help="e.g. 8GB: also the largest batch of each method under this cap, predicted from the memory "
                         "model (default: none)")
+    d.add_argument("--evict-every", type=positive_int, default=dec.evict_every,
+                   help="MoENDCache rows: room a layer leaves when it evicts, min(N, 32) tokens (1: hold the cap "
+                        "and re-evict at every step once it is reached; default %(default)s)")
+    d.add_argument("--reevict", default=str(dec.reevict), choices=names(ReEviction),
+                   help="MoENDCache rows: what a decode-time re-eviction drops (default %(default)s)")
     d.add_argument("--compile-times", action="store_true",
                    help="also the cold and warm compile time of each compiled method's decode graph, each in a "
                         "fresh process with a new TORCHINDUCTOR_CACHE_DIR, at the shortest --lengths")

@@ -96,7 +96,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                    warmup=args.warmup, methods=parse_methods(args.methods), budget=args.budget,
                                    uniform=uniform, bandwidth_gbs=args.bandwidth, seed=args.seed,
                                    kernel=args.kernel, inner=args.inner, batches=parse_batches(args.batches),
-                                   batch_lengths=batch_lengths, memory_cap=args.memory_cap.strip() or None)
+                                   batch_lengths=batch_lengths, memory_cap=args.memory_cap.strip() or None,
+                                   evict_every=args.evict_every, reevict=args.reevict)
     compiled = _compiled_methods(args, settings)
     table = args.table
     if table is None and args.plan is None:

@@ -98,6 +98,34 @@ def test_given_plan_is_used(model):
     assert "given plan" in res["meta"]["plan_source"]
 
 
+def test_eviction_options_reach_the_moend_caches(model):
+    fp = ModelFingerprint.from_model(model)
+    plan = RoutingPlan.uniform(LayerConfig(0.25, 4, 4), fp, 256)
+    m = decode_run.DecodeMethod("moend_eager", True, None, {256: plan})
+    fill = D.DecodeBenchSettings(methods=("moend_eager",), lengths=(256,), steps=6, warmup=0, evict_every=1,
+                                 reevict="tokens")
+    cache = decode_run.new_cache(model, m, 256, None, fill)
+    assert {(layer.policy.evict_every, str(layer.policy.reevict)) for layer in cache.layers} == {(1, "tokens")}
+    rows = {}
+    for settings in (D.DecodeBenchSettings(methods=("moend_eager",), lengths=(256,), steps=6, warmup=0), fill):
+        res = D.bench_decode(model, settings, plan=plan, progress=False)
+        (row,) = res["rows"]
+        ms = [t for t, g in zip(row["step_ms"], row["step_graphs"]) if not g]
+        assert row["ms_mean"] == pytest.approx(sum(ms) / len(ms))
+        assert row["cache_within_bound"]
+        rows[settings.evict_every] = row
+        assert f"room for min({settings.evict_every}, 32) tokens" in D.markdown_table(res)
+        assert "| mean ms |" in D.markdown_table(res)
+    # a layer that leaves room for one token holds more of its cap than one that leaves room for 32
+    assert rows[1]["cache_bytes"] > rows[128]["cache_bytes"]
+
+
+def test_results_without_a_mean_render_as_published(result):
+    old = {**result, "rows": [{k: v for k, v in r.items() if k != "ms_mean"} for r in result["rows"]]}
+    md = D.markdown_table(old)
+    assert "mean ms" not in md and "| moend_eager | 64 |" in md
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(methods=("full_eager", "nope")), ["'nope'", "full_inductor"]),
     (dict(methods=()), ["methods is empty"]),
@@ -105,6 +133,8 @@ def test_given_plan_is_used(model):
     (dict(steps=0), ["steps=0"]),
     (dict(warmup=-1), ["warmup=-1"]),
     (dict(bandwidth_gbs=0), ["bandwidth_gbs=0"]),
+    (dict(evict_every=0), ["evict_every=0"]),
+    (dict(reevict="bytes"), ["reevict", "groups", "tokens"]),
 ])
 def test_bad_settings(kw, words):
     with pytest.raises(MoendError) as e:

@@ -25,13 +25,14 @@ def test_bench_decode_cli(folder, tmp_path, capsys):
     doc.parent.mkdir()
     code = main(["bench", "decode", "--model", str(folder), "--lengths", "48,64", "--steps", "2", "--warmup", "1",
                  "--methods", "full_eager,moend_eager", "--threads", "1", "--out", str(out), "--doc", str(doc),
-                 "--no-progress"])
+                 "--no-progress", "--evict-every", "1", "--reevict", "tokens"])
     printed = capsys.readouterr().out
     assert code == 0
     result = json.loads((out / "decode" / "decode.json").read_text())
     assert [(r["method"], r["tokens"]) for r in result["rows"]] == [
         ("full_eager", 48), ("full_eager", 64), ("moend_eager", 48), ("moend_eager", 64)]
     assert result["meta"]["threads"] == 1
+    assert (result["meta"]["settings"]["evict_every"], result["meta"]["settings"]["reevict"]) == (1, "tokens")
     assert "| moend_eager | 64 |" in printed
     block = existing_blocks(doc.read_text())["decode"]
     # the section is headed by the command that regenerates it (non-default options + --out)
