@@ -42,7 +42,8 @@ table's greedy plan for the example's length:
   A diagnosis of how K is quantized, not a method: the bytes are K16's, and the answer's own tokens stay 16-bit.
 
 Records are written per example (``records.jsonl`` in --out, resumed), then ``ablation.md``: accuracy % per
-variant with its 95% interval (Wilson, or bootstrap for fractional scores) and the measured cache bytes.
+variant with its 95% interval (Wilson, or bootstrap for fractional scores), the measured cache bytes, and how
+many examples it answers better and worse than the first variant (paired on the same examples).
 """
 
 from __future__ import annotations
@@ -299,6 +300,29 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def report_lines(records: list[dict[str, Any]], variants: list[str], title: str) -> list[str]:
+    """ablation.md: per variant its accuracy with the 95% interval, the measured bytes, and, paired with the
+    first variant on the examples both answered, how many examples it answers better and worse (the count the
+    screens' decision rule reads)."""
+    first = {r["index"]: r["score"] for r in records if r["variant"] == variants[0]}
+    lines = [f"{title}: accuracy % [95% interval]; better / worse: examples scored higher / lower than "
+             f"{variants[0]} on the same example", "",
+             "| variant | n | accuracy | measured cache (mean) | better / worse |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for v in variants:
+        rs = [r for r in records if r["variant"] == v]
+        if not rs:
+            continue
+        sm = summarize([r["score"] for r in rs])
+        mb = sum(r["measured_bytes"] for r in rs) / len(rs) / 1e6
+        ci = f"[{100 * sm.low:.0f}, {100 * sm.high:.0f}]"
+        paired = [(r["score"], first[r["index"]]) for r in rs if r["index"] in first]
+        vs = "" if v == variants[0] else (f"{sum(a > b for a, b in paired)} / {sum(a < b for a, b in paired)}"
+                                          f" of {len(paired)}")
+        lines.append(f"| {v} | {len(rs)} | {100 * sm.mean:.1f} {ci} | {mb:.2f} MB | {vs} |")
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="niah_single")
@@ -362,17 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{v} {100 * _mean([r['score'] for r in records if r['variant'] == v and r['index'] <= i]):.1f}%"
             for v in variants), file=sys.stderr, flush=True)
     seed = "" if cfg.seed == 0 else f", examples of seed {cfg.seed}"
-    lines = [f"{args.task} at {args.length} tokens, {args.setting}, {args.budget}{seed}: accuracy % [95% interval]",
-             "",
-             "| variant | n | accuracy | measured cache (mean) |", "| --- | ---: | ---: | ---: |"]
-    for v in variants:
-        rs = [r for r in records if r["variant"] == v]
-        if not rs:
-            continue
-        sm = summarize([r["score"] for r in rs])
-        mb = sum(r["measured_bytes"] for r in rs) / len(rs) / 1e6
-        ci = f"[{100 * sm.low:.0f}, {100 * sm.high:.0f}]"
-        lines.append(f"| {v} | {len(rs)} | {100 * sm.mean:.1f} {ci} | {mb:.2f} MB |")
+    lines = report_lines(records, variants,
+                         f"{args.task} at {args.length} tokens, {args.setting}, {args.budget}{seed}")
     atomic_write_text(Path(args.out) / "ablation.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -264,3 +264,18 @@ def test_reevict_variant_sets_only_the_caches_re_eviction(ablation, solved):
     assert ablation.variant_plan(plan, "reevict=tokens", table, "10x") == plan
     with pytest.raises(MoendError, match="allowed: .*reevict=groups\\|tokens"):
         ablation.check_variant("reevict=bytes")
+
+
+def test_report_pairs_each_variant_with_the_first_on_the_same_examples(ablation):
+    def rec(i, v, s):
+        return dict(index=i, variant=v, score=s, measured_bytes=2e6)
+
+    records = [rec(0, "base", 1.0), rec(1, "base", 0.0), rec(2, "base", 1.0), rec(3, "base", 0.0),
+               rec(0, "k8v8", 1.0), rec(1, "k8v8", 1.0), rec(2, "k8v8", 0.0), rec(3, "k8v8", 1.0),
+               rec(9, "k8v8", 1.0)]  # example 9 has no base record: left out of the pairing, not of the accuracy
+    lines = ablation.report_lines(records, ["base", "k8v8", "no-k4"], "passkey")
+    assert lines[0].startswith("passkey: accuracy %") and "than base" in lines[0]
+    rows = {line.split(" | ")[0][2:]: line for line in lines[4:]}
+    assert set(rows) == {"base", "k8v8"}  # a variant without records gets no row
+    assert rows["base"] == "| base | 4 | 50.0 [15, 85] | 2.00 MB |  |"
+    assert rows["k8v8"].startswith("| k8v8 | 5 | 80.0 ") and rows["k8v8"].endswith("| 2 / 1 of 4 |")
