@@ -1,6 +1,7 @@
 """``moend report``: pool the records of several ``moend eval`` runs (other seeds, other methods) into one report.
 
     moend report results/eval-8k results/eval-seed1-8k --out results/pooled-8k
+    moend report docs/data/eval-published results/eval-seed1-2k4k --lengths 2048,4096 --out results/pooled-2k4k
 
 Writes results.{json,md,png} as ``moend eval`` does, with each method paired with the full cache on the same
 examples. Runs must be on one model and agree on what changes a method's answer (``moend_fx.eval.pool``).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moend_fx.cli.args import csv_list
+from moend_fx.cli.args import csv_list, int_list
 from moend_fx.common.errors import MoendError
 
 
@@ -24,6 +25,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a 'moend eval --out' folder or its results.json")
     p.add_argument("--methods", type=csv_list, default=None, help="comma list: pool only these methods' records")
+    p.add_argument("--lengths", default=None,
+                   help="comma list of target lengths in tokens: pool only these lengths' records (e.g. 2048,4096)")
     p.add_argument("--reference", default="full",
                    help="method every other is paired with (default %(default)s; a budgeted one, e.g. 2d_hetero, "
                         "is paired at each budget)")
@@ -35,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from moend_fx.eval.pool import pool_runs
     from moend_fx.eval.report import write_report
 
-    pooled = pool_runs(args.runs, methods=args.methods)
+    lengths = None if args.lengths is None else int_list(args.lengths, "--lengths")
+    pooled = pool_runs(args.runs, methods=args.methods, lengths=lengths)
     for s in pooled.meta["pooled"]["sources"]:
         print(f"{s['path']}: {s['records']} records, seed {s['seed']}")
     if pooled.meta["pooled"]["duplicates"]:

@@ -100,23 +100,32 @@ def _checked(records: list[Any], path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def pool_runs(paths: Sequence[str | Path], methods: Iterable[str] | None = None) -> Pooled:
-    """Pool the runs at ``paths`` (see the module docstring); ``methods``: keep only these methods' records."""
+def pool_runs(paths: Sequence[str | Path], methods: Iterable[str] | None = None,
+              lengths: Iterable[int] | None = None) -> Pooled:
+    """Pool the runs at ``paths`` (see the module docstring); ``methods`` / ``lengths``: keep only these methods'
+    records / the records of these target lengths (a run that covers more lengths than another pools with it on
+    the ones they share)."""
     if not paths:
         raise MoendError("nothing to pool: pass one or more 'moend eval --out' folders")
     keep = None if methods is None else set(methods)
+    keep_len = None if lengths is None else {int(n) for n in lengths}
     runs = [read_run(p) for p in paths]
     _check_alike([(str(f), meta) for _, meta, f in runs])
     held = {r["method"] for recs, _, _ in runs for r in recs}
     if keep is not None and keep - held:
         raise MoendError(f"no run holds method(s) {', '.join(sorted(keep - held))}; these runs hold "
                          f"{', '.join(sorted(held))}")
+    held_len = {r["target_length"] for recs, _, _ in runs for r in recs}
+    if keep_len is not None and keep_len - held_len:
+        raise MoendError(f"no run holds length(s) {', '.join(map(str, sorted(keep_len - held_len)))}; these runs "
+                         f"hold {', '.join(map(str, sorted(held_len)))}")
     seen: dict[tuple, tuple[dict[str, Any], str]] = {}
     records: list[dict[str, Any]] = []
     duplicates = 0
     for recs, _, f in runs:
         for r in recs:
-            if keep is not None and r["method"] not in keep:
+            if (keep is not None and r["method"] not in keep) or (keep_len is not None
+                                                                  and r["target_length"] not in keep_len):
                 continue
             key = tuple(r.get(k) for k in RUN_KEY)
             if key in seen:

@@ -44,3 +44,14 @@ def test_report_with_another_reference(tmp_path, capsys):
     assert main(["report", a, "--reference", "pyramid", "--out", str(tmp_path / "o2")]) == 2
     assert "--reference pyramid: no pooled record is of that method; they are of 2d_hetero, full" in \
         capsys.readouterr().err
+
+
+def test_report_pools_only_the_lengths_asked(tmp_path, capsys):
+    a = _run(tmp_path / "a", 0, [(1.0, 1.0), (1.0, 0.0)])
+    assert main(["report", a, "--lengths", "2048", "--out", str(tmp_path / "out")]) == 0
+    assert "| query_agnostic | 2048 | 2d_hetero @ 14x | 2 |" in (tmp_path / "out" / "results.md").read_text()
+    capsys.readouterr()
+    assert main(["report", a, "--lengths", "4096", "--out", str(tmp_path / "o2")]) == 2
+    assert "no run holds length(s) 4096; these runs hold 2048" in capsys.readouterr().err
+    assert main(["report", a, "--lengths", "2k", "--out", str(tmp_path / "o3")]) == 2
+    assert "--lengths" in capsys.readouterr().err and not (tmp_path / "o3").exists()

@@ -144,3 +144,15 @@ def test_runs_planned_on_tables_of_another_recipe_are_refused(tmp_path):
     with pytest.raises(MoendError, match="planned query_aware on a table with context_length=8192 .* "
                                          "context_length=2048"):
         pool_runs([a, c])
+
+
+def test_lengths_filter_pools_the_lengths_runs_share_and_names_a_missing_one(tmp_path):
+    long = [dict(r, target_length=4096) for r in _both([1, 1], [0, 1])]
+    a = _run(tmp_path / "a", 0, _both([1, 0], [1, 1]) + long)  # 2k and 4k
+    b = _run(tmp_path / "b", 1, _both([1, 1], [1, 1]))  # 2k only
+    pooled = pool_runs([a, b], lengths=[2048])
+    assert {r["target_length"] for r in pooled.records} == {2048} and len(pooled.records) == 8
+    assert pooled.meta["config"]["lengths"] == [2048]
+    assert len(pool_runs([a, b]).records) == 12
+    with pytest.raises(MoendError, match="no run holds length.s. 7900; these runs hold 2048, 4096"):
+        pool_runs([a, b], lengths=[2048, 7900])
