@@ -40,7 +40,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     # results written before ms_mean was recorded render as they were published
     mean = any("ms_mean" in r for r in rows)
     if "evict_every" in s:
-        lines[0] += (f" MoENDCache eviction: room for min({s['evict_every']}, 32) tokens when a layer evicts, "
+        lines[0] += (f" MoENDCache eviction: room for min({s['evict_every']}, group size) tokens when a layer evicts, "
                      f"decode-time re-evictions drop {s['reevict']}.")
     lines += [
         "| method | context | ms/token | " + ("mean ms | " if mean else "") + "speed-up | cache | ratio 16-bit | "
