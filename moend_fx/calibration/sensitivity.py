@@ -93,14 +93,15 @@ class SensitivityTable:
     def bytes_matrix(self, context_length: int, batch: int = 1) -> np.ndarray:
         """[L, C] int64: every byte each config takes on each layer at ``context_length`` tokens, the eviction
         state of the table's scorer (with this table's query statistics, when it has them) included."""
-        scorer, calibrated = self.pricing or (str(self.calibration.get("scorer", ScorerName.TRIG)), self.has_stats())
-        row = np.array(
-            [plan_layer_bytes(c, context_length, self.fingerprint, group_size=self.group_size, batch=batch,
-                              scorer=scorer, calibrated=calibrated)
-             for c in self.grid.configs],
-            dtype=np.int64,
-        )
+        row = np.array([self.config_bytes(c, context_length, batch) for c in self.grid.configs], dtype=np.int64)
         return np.tile(row, (self.fingerprint.num_layers, 1))
+
+    def config_bytes(self, config: LayerConfig, context_length: int, batch: int = 1) -> int:
+        """Every byte one layer at ``config`` takes at ``context_length`` tokens, priced as :meth:`bytes_matrix`
+        prices the grid's configs (``config`` need not be in the grid)."""
+        scorer, calibrated = self.pricing or (str(self.calibration.get("scorer", ScorerName.TRIG)), self.has_stats())
+        return plan_layer_bytes(config, context_length, self.fingerprint, group_size=self.group_size, batch=batch,
+                                scorer=scorer, calibrated=calibrated)
 
     @property
     def loss(self) -> np.ndarray:

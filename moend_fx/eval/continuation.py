@@ -17,6 +17,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.io import atomic_write_text
 from moend_fx.eval import methods as mth
 from moend_fx.eval.config import EvalConfig
+from moend_fx.eval.plan_book import PlanBook
 from moend_fx.eval.runner import load_records
 from moend_fx.eval.steps import eval_attention_on, model_device, prefill
 from moend_fx.plan.memory import full_cache_bytes
@@ -82,7 +83,7 @@ class _ContinuationRun:
     def __init__(self, model: Any, table: SensitivityTable, cfg: EvalConfig) -> None:
         self.model, self.cfg = model, cfg
         self.fp = ModelFingerprint.from_model(model)
-        self.plans = mth.PlanBook(table)
+        self.plans = PlanBook(table)
         self.moend_kw = mth.moend_options(model, table, window=cfg.window)
         self.dev = model_device(model)
 

@@ -12,7 +12,9 @@ that estimate query statistics). Each method then builds its cache from the *sam
   ``2d_hetero_anyk`` (greedy without the solvers' last-resort rule for 4-bit keys; a diagnosis, not in the
   default list) and ``lossless``: a :class:`~moend_fx.cache.moend_cache.MoENDCache` whose plan comes from the
   solver of the same family on the calibrated table, solved for the example's own context length
-  (:class:`PlanBook` caches plans per (method, budget, length)).
+  (:class:`~moend_fx.eval.plan_book.PlanBook` caches plans per (method, budget, length)).
+  ``2d_uniform_matched`` is ``2d_uniform``'s plan with its keep ratio raised until it spends the budget (off
+  the grid; uniform at matched bytes).
 
 The state tensors are never modified: every cache update in transformers and in ``PackedKV`` concatenates
 into new tensors, so handing the same tensors to several caches is a copy-free "copy" of the prefill.
@@ -29,12 +31,9 @@ import torch
 from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import layer_query_stats
-from moend_fx.common.errors import BudgetError, MoendError
-from moend_fx.common.options import ScorerName
+from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import rope_from_model
-from moend_fx.plan.memory import parse_budget
-from moend_fx.plan.routing import LayerConfig, RoutingPlan
-from moend_fx.solvers import get_solver
+from moend_fx.plan.routing import RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,8 @@ class MethodSpec:
 
     kind: "full" (DynamicCache), "hf" (transformers QuantizedCache) or "moend" (MoENDCache + solver plan).
     solver / solver_options: the plan's solver (moend only). budgeted: runs once per budget (else once).
-    cache_options: MoENDCache options this method overrides (moend only).
+    cache_options: MoENDCache options this method overrides (moend only). matched_keep: the solver's uniform
+    plan gets the largest keep ratio that fits the budget (:func:`~moend_fx.solvers.matched_keep.fill_keep`).
     """
 
     name: str
@@ -54,6 +54,7 @@ class MethodSpec:
     backend: str | None = None
     hf_options: dict[str, Any] = field(default_factory=dict)
     cache_options: dict[str, Any] = field(default_factory=dict)
+    matched_keep: bool = False
 
     @property
     def budgeted(self) -> bool:
@@ -73,6 +74,10 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("1d", "moend", "uniform eviction, 16/16 bits (best keep ratio that fits)", solver="1d"),
     MethodSpec("2d_uniform", "moend", "uniform eviction + uniform K/V bits (best pair that fits)",
                solver="2d_uniform"),
+    # 2d_uniform's grid plan can hold far less than its budget (17x at "14x"): this one spends it, so that a
+    # comparison at matched bytes has a uniform baseline that holds what MoE-nD holds
+    MethodSpec("2d_uniform_matched", "moend", "2d_uniform's bits with the largest uniform keep ratio that fits "
+               "(uniform at matched bytes)", solver="2d_uniform", matched_keep=True),
     MethodSpec("2d", "moend", "uniform eviction, per-layer bits (exact over bits)", solver="2d"),
     MethodSpec("pyramid", "moend", "PyramidKV-style linear keep schedule, best uniform bit pair",
                solver="pyramid"),
@@ -179,14 +184,6 @@ def cache_nbytes(cache: Any) -> int:
 # --------------------------------------------------------------------------------------------- caches
 
 
-def lossless_plan(table: SensitivityTable, context_length: int) -> RoutingPlan:
-    """keep 1.0, 16/16 bits on every layer (MoENDCache must then match the full cache)."""
-    return RoutingPlan.uniform(LayerConfig(1.0, 16, 16), table.fingerprint, context_length, grid=table.grid,
-                               group_size=table.group_size,
-                               scorer=str(table.calibration.get("scorer", ScorerName.TRIG)),
-                               solver="lossless")
-
-
 def moend_options(model: Any, table: SensitivityTable, *, window: int, calibrated_stats: bool = True,
                   **extra: Any) -> dict[str, Any]:
     """MoENDCache options for every MoENDCache method of a run: the model's RoPE (None when it has no readable
@@ -226,67 +223,3 @@ def build_cache(spec: MethodSpec, state: PrefillState, *, model: Any, plan: Rout
     for layer, (k, v) in zip(cache.layers, state.kv):
         layer.update(k, v)
     return cache
-
-
-# --------------------------------------------------------------------------------------------- plans
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """A solved plan (or why none fits): plan None and ``infeasible`` set when the budget is too small."""
-
-    plan: RoutingPlan | None
-    budget_bytes: int | None
-    predicted_loss: float | None = None
-    solve_s: float = 0.0
-    infeasible: str | None = None
-
-
-def _pyramid_key(res: Any) -> tuple[int, float, int]:
-    """Which bit pair's pyramid is best: the fewest last-resort layers (the solvers' own rule, see
-    :mod:`moend_fx.solvers.last_resort`), then the lowest predicted loss, then the fewest bytes."""
-    return res.info.get("last_resort_layers", 0), res.predicted_loss, res.bytes_used
-
-
-class PlanBook:
-    """Plans from the calibrated table, solved once per (method, budget, context length) and cached."""
-
-    def __init__(self, table: SensitivityTable) -> None:
-        self.table = table
-        self._plans: dict[tuple[str, str, int], PlanEntry] = {}
-
-    def get(self, method: str, budget: str | None, context_length: int) -> PlanEntry:
-        key = (method, str(budget), int(context_length))
-        if key not in self._plans:
-            self._plans[key] = self._solve(METHODS[method], budget, int(context_length))
-        return self._plans[key]
-
-    def _solve(self, spec: MethodSpec, budget: str | None, length: int) -> PlanEntry:
-        if spec.name == "lossless":
-            return PlanEntry(lossless_plan(self.table, length), None)
-        parsed = parse_budget(budget, self.table.fingerprint, length)
-        if spec.solver == "pyramid":
-            return self._best_pyramid(parsed.bytes, budget, length)
-        try:
-            res = get_solver(spec.solver, **spec.solver_options).solve(self.table, budget, context_length=length)
-        except BudgetError as e:
-            return PlanEntry(None, parsed.bytes, infeasible=str(e))
-        return PlanEntry(res.plan, parsed.bytes, res.predicted_loss, res.wall_time_s)
-
-    def _best_pyramid(self, budget_bytes: int, budget: str, length: int) -> PlanEntry:
-        """PyramidSolver at every (K, V) bit pair of the grid; the best that fits by :func:`_pyramid_key` (the
-        strongest member of the family, like the other uniform baselines)."""
-        best, why = None, None
-        for kb in self.table.grid.k_bits:
-            for vb in self.table.grid.v_bits:
-                try:
-                    res = get_solver("pyramid", k_bits=kb, v_bits=vb).solve(self.table, budget,
-                                                                            context_length=length)
-                except BudgetError as e:
-                    why = why or str(e)
-                    continue
-                if best is None or _pyramid_key(res) < _pyramid_key(best):
-                    best = res
-        if best is None:
-            return PlanEntry(None, budget_bytes, infeasible=why)
-        return PlanEntry(best.plan, budget_bytes, best.predicted_loss, best.wall_time_s)

@@ -62,7 +62,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-BASELINES = ("1d", "2d_uniform", "2d", "pyramid")
+BASELINES = ("1d", "2d_uniform", "2d_uniform_matched", "2d", "pyramid")
 
 
 def headline(rows: Sequence[dict[str, Any]], method: str = "2d_hetero") -> list[dict[str, Any]]:

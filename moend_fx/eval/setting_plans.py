@@ -17,7 +17,8 @@ from moend_fx.common.checks import check_choice
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import ScorerName, Setting
 from moend_fx.eval.config import EvalConfig
-from moend_fx.eval.methods import PlanBook, moend_options
+from moend_fx.eval.methods import moend_options
+from moend_fx.eval.plan_book import PlanBook
 
 
 def table_scorer(table: SensitivityTable) -> str:

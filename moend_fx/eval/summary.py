@@ -15,8 +15,8 @@ from moend_fx.eval.stats import summarize
 
 AVG = "avg"
 # Row order in tables: references first, then the paper's ablation chain (== moend_fx.eval.methods.METHODS).
-METHOD_ORDER = ("full", "hf_quant4", "hf_fp8", "lossless", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero",
-                "2d_hetero_exact", "2d_hetero_anyk")
+METHOD_ORDER = ("full", "hf_quant4", "hf_fp8", "lossless", "1d", "2d_uniform", "2d_uniform_matched", "2d", "pyramid",
+                "2d_hetero", "2d_hetero_exact", "2d_hetero_anyk")
 _GROUP = ("setting", "target_length", "task", "method", "budget")
 MEAN_FIELDS = ("measured_bytes", "ratio16", "ratio_model", "budget_bytes", "full16_bytes", "full_model_bytes",
                "context_tokens", "decode_s", "new_tokens", "predicted_loss")

@@ -14,7 +14,8 @@ from moend_fx.bench.head_budgets import VARIANTS, HeadBudgetBench, HeadBudgetSet
 from moend_fx.bench.head_report import write_report
 from moend_fx.bench.head_sim import HEADSIM_ATTN, SimulatedLayer, headsim_attention, simulate, simulated
 from moend_fx.common.errors import MoendError
-from moend_fx.eval.methods import METHODS, PlanBook, build_cache, moend_options
+from moend_fx.eval.methods import METHODS, build_cache, moend_options
+from moend_fx.eval.plan_book import PlanBook
 from moend_fx.eval.steps import EVAL_ATTN, eval_attention_on, prefill
 from moend_fx.eval.tasks.registry import make_examples
 from moend_fx.plan.routing import LayerConfig, RoutingPlan

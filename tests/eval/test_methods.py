@@ -4,7 +4,7 @@ import dataclasses
 
 from moend_fx.calibration.tables import load_table
 from moend_fx.common.errors import BudgetError
-from moend_fx.eval.methods import PlanBook
+from moend_fx.eval.plan_book import PlanBook
 from moend_fx.plan.routing import LayerConfig
 from moend_fx.solvers import get_solver
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moend_fx.eval.methods import METHODS, PlanBook, build_cache, cache_nbytes
+from moend_fx.eval.methods import METHODS, build_cache, cache_nbytes
 from moend_fx.eval.peak_bytes import PeakBytes
+from moend_fx.eval.plan_book import PlanBook
 from moend_fx.eval.steps import EVAL_ATTN, greedy_decode, prefill
 from moend_fx.eval.tasks.registry import make_examples
 from tests.eval.test_runner import TOK, _ids

@@ -14,13 +14,12 @@ from moend_fx.common.errors import MoendError
 from moend_fx.eval.config import EvalConfig
 from moend_fx.eval.methods import (
     METHODS,
-    PlanBook,
     build_cache,
     cache_nbytes,
     check_methods,
     hf_backend_available,
-    lossless_plan,
 )
+from moend_fx.eval.plan_book import PlanBook, lossless_plan
 from moend_fx.eval.runner import Runner
 from moend_fx.eval.steps import EVAL_ATTN, QueryRecorder, greedy_decode, prefill, stop_reason
 from moend_fx.eval.tasks.registry import Example, make_examples
@@ -42,7 +41,7 @@ class ByteTokenizer:
 
 
 TOK = ByteTokenizer()
-MOEND_METHODS = ("lossless", "1d", "2d_uniform", "2d", "pyramid", "2d_hetero", "2d_hetero_exact")
+MOEND_METHODS = ("lossless", "1d", "2d_uniform", "2d_uniform_matched", "2d", "pyramid", "2d_hetero", "2d_hetero_exact")
 
 
 @pytest.fixture(scope="module")
