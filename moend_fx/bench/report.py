@@ -5,7 +5,8 @@ Every benchmark writes its section into ``<results>/sections/<key>.md`` (with ``
 command, the time, the files). :func:`render_results` rebuilds the document from a fixed template in
 :data:`SECTIONS` order, taking each section from, in turn: the results folder; the block of the same key in
 the existing document (between ``<!-- section:KEY -->`` and ``<!-- /section:KEY -->``), so benchmarks that
-were not re-run keep their published text; else a placeholder saying how to produce it. A hand-written
+were not re-run keep their published text, and so does the hand-written text between the sections; a new
+document gets a placeholder saying how to produce each section not run. A hand-written
 reading of a section's numbers lives in ``results-notes/<key>.md`` beside the document and is appended to
 the section each time it is rendered.
 """
@@ -146,25 +147,43 @@ def _publish_image(png: Path, doc: Path, key: str) -> str:
     return os.path.relpath(dest, doc.parent)
 
 
+def _stored_block(d: Path, spec: SectionSpec, doc: Path) -> str | None:
+    """The section ``spec`` rendered from a results folder's ``sections/``; None when it holds none."""
+    md_path, meta_path = d / f"{spec.key}.md", d / f"{spec.key}.json"
+    if not (md_path.is_file() and meta_path.is_file()):
+        return None
+    meta = json.loads(meta_path.read_text())
+    images = [_publish_image(Path(p), doc, spec.key)
+              for k, p in meta.get("files", {}).items() if str(p).endswith(".png") and Path(p).is_file()]
+    notes = notes_path(doc, spec.key)
+    return section_block(spec.key, meta["command"], md_path.read_text(), written=meta.get("written"),
+                         images=images, notes=notes.read_text() if notes.is_file() else None)
+
+
+def _marked(key: str, body: str) -> str:
+    return f"<!-- section:{key} -->\n{body.rstrip()}\n<!-- /section:{key} -->\n"
+
+
 def render_results(results_dir: str | os.PathLike, doc_path: str | os.PathLike) -> Path:
-    """Rewrite ``doc_path`` from the sections stored in ``results_dir`` (keeping the document's own blocks for
-    benchmarks with no stored section). Plots are copied to ``img/`` beside the document."""
+    """Rewrite ``doc_path`` from the sections stored in ``results_dir``. A new document is built from the
+    template (every section, placeholders for those not run). An existing document keeps its own text: each
+    re-run section replaces its marked block in place (or is appended when the document has none), so the
+    hand-written text between sections and the sections not re-run stay as they are. Plots are copied to
+    ``img/`` beside the document."""
     doc = Path(doc_path)
-    old = existing_blocks(doc.read_text()) if doc.is_file() else {}
     d = section_dir(results_dir)
-    parts = [HEADER]
+    if not doc.is_file():
+        parts = [HEADER] + [_marked(s.key, _stored_block(d, s, doc) or _placeholder(s)) for s in SECTIONS]
+        return atomic_write_text(doc, "\n".join(parts))
+    text = doc.read_text()
     for spec in SECTIONS:
-        md_path, meta_path = d / f"{spec.key}.md", d / f"{spec.key}.json"
-        if md_path.is_file() and meta_path.is_file():
-            meta = json.loads(meta_path.read_text())
-            images = [_publish_image(Path(p), doc, spec.key)
-                      for k, p in meta.get("files", {}).items() if str(p).endswith(".png") and Path(p).is_file()]
-            notes = notes_path(doc, spec.key)
-            body = section_block(spec.key, meta["command"], md_path.read_text(), written=meta.get("written"),
-                                 images=images, notes=notes.read_text() if notes.is_file() else None)
-        elif spec.key in old:
-            body = old[spec.key]
+        body = _stored_block(d, spec, doc)
+        if body is None:
+            continue
+        pattern = re.compile(rf"<!-- section:{spec.key} -->\n.*?<!-- /section:{spec.key} -->\n?", re.S)
+        if pattern.search(text):
+            block = _marked(spec.key, body)
+            text = pattern.sub(lambda _, block=block: block, text, count=1)
         else:
-            body = _placeholder(spec)
-        parts.append(f"<!-- section:{spec.key} -->\n{body.rstrip()}\n<!-- /section:{spec.key} -->\n")
-    return atomic_write_text(doc, "\n".join(parts))
+            text = text.rstrip() + "\n\n" + _marked(spec.key, body)
+    return atomic_write_text(doc, text)

@@ -5,6 +5,11 @@
 
 Writes results.{json,md,png} as ``moend eval`` does, with each method paired with the full cache on the same
 examples. Runs must be on one model and agree on what changes a method's answer (``moend_fx.eval.pool``).
+
+    moend report --published      # (make figures) re-render README.md's and docs/results.md's tables and figures
+
+re-renders every published table and figure from the committed records in docs/data/
+(``moend_fx.bench.published_render``).
 """
 
 from __future__ import annotations
@@ -23,18 +28,29 @@ def register(subparsers: Any) -> None:
                     "per (task, seed, index), and write results.{json,md,png} with each method paired with the "
                     "full cache on the same examples.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="a 'moend eval --out' folder or its results.json")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="a 'moend eval --out' folder or its results.json")
+    p.add_argument("--published", action="store_true",
+                   help="instead: re-render the tables and figures of README.md and docs/results.md from the records "
+                        "in docs/data/ (run in the repository root)")
     p.add_argument("--methods", type=csv_list, default=None, help="comma list: pool only these methods' records")
     p.add_argument("--lengths", default=None,
                    help="comma list of target lengths in tokens: pool only these lengths' records (e.g. 2048,4096)")
     p.add_argument("--reference", default="full",
                    help="method every other is paired with (default %(default)s; a budgeted one, e.g. 2d_hetero, "
                         "is paired at each budget)")
-    p.add_argument("--out", required=True, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
+    p.add_argument("--out", default=None, help="output folder (results.json, results.md, accuracy_vs_bytes.png)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.published:
+        from moend_fx.bench.published_render import render_published
+
+        for path in render_published("."):
+            print(f"wrote {path}")
+        return 0
+    if not args.runs or args.out is None:
+        raise MoendError("moend report needs RUN folders and --out (or --published alone)")
     from moend_fx.eval.pool import pool_runs
     from moend_fx.eval.report import write_report
 
