@@ -154,6 +154,9 @@ def register(subparsers: Any) -> None:
     k = sub.add_parser("kernels", help="decode attention micro-benchmark (fused CPU kernel vs SDPA)")
     k.add_argument("--lengths", default="2048,8192,32768", help="held tokens (default %(default)s)")
     k.add_argument("--runs", type=positive_int, default=30, help="timed calls per method (median)")
+    k.add_argument("--static", action="store_true",
+                   help="no timing: compile the Triton decode kernel's variants for sm_90/sm_80 here and report "
+                        "registers, spills, main-loop instructions per byte, I2F and dots (no GPU needed)")
     _common(k, cmd_kernels)
 
     t = sub.add_parser("triton", help="decode attention on a CUDA GPU: Triton kernel vs fp16 SDPA")

@@ -176,6 +176,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_kernels(args: argparse.Namespace) -> int:
     from moend_fx.bench.suite import bench_kernels_section
 
+    if getattr(args, "static", False):  # the Triton kernel's SASS figures: no timing, no results page
+        from moend_fx.kernels.static_report import static_report
+
+        md, files = static_report(Path(args.out) / "kernels-static")
+        print(md + "".join(f"{kind}: {path}\n" for kind, path in files.items()))
+        return 0
     _threads(args)
     md, files = bench_kernels_section(int_list(args.lengths, "--lengths"), runs=args.runs,
                                       out=Path(args.out) / "kernels")

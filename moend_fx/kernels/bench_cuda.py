@@ -4,12 +4,11 @@ torch SDPA over 16-bit K/V of the same tokens (``moend bench triton``).
 q: [B, 9, 1, 64] fp16 over 3 KV heads (SmolLM2's shapes) at several held lengths and batch sizes, in one run:
 * ``sdpa_fp16``: ``F.scaled_dot_product_attention(enable_gqa=True)`` on dense fp16 K/V (what a 16-bit cache reads;
   the baseline),
-* ``triton_k{b}v{b}``: the op's CUDA path (the decode kernel and the kernel that merges its splits) as the op runs
-  it: TF32 dots, 128-token blocks on a long layer,
-* ``triton_k4v4_fp32``: the same with fp32 dots (``precise=True``, the reference's values),
-* ``triton_k4v4_bn32``: the same with one quantization group (32 tokens) a step,
-* ``dequant_sdpa_k4v4``: dequantize the layer to fp16 with torch ops, then the same SDPA (the unfused path, which
-  writes and reads 16-bit K/V again).
+* ``triton_k{b}v{b}``: the op's CUDA path (one launch: the decode kernel merges its own splits) as the op runs
+  it: fp16 dot operands, fp32 accumulation, 128-token steps,
+* ``dequant_sdpa_k{b}v{b}``: dequantize the layer to fp16 with torch ops, then the same SDPA (the unfused path,
+  which writes and reads 16-bit K/V again),
+* ``triton_k4v4_fp32``: the kernel with fp32 operands and IEEE dots (``precise=True``, the reference's values).
 
 Every method gets copies of its inputs, used in rotation, whose bytes together exceed the L2 cache several times,
 so each call reads K/V from HBM (as a decode step does: the cache is read once per step). Each call is timed with
@@ -96,11 +95,9 @@ def _methods(q: torch.Tensor, ks: list, vs: list, layers: dict[int, list[PackedK
             lambda i: F.scaled_dot_product_attention(q, ks[i], vs[i], scale=scale, enable_gqa=True),
             lambda: attention_dense(q.float(), ks[0].float(), vs[0].float(), scale=scale))]
     out += [(f"triton_k{b}v{b}", layers[b][0].nbytes(), triton(b), ref(b)) for b in bits]
+    out += [(f"dequant_sdpa_k{b}v{b}", layers[b][0].nbytes(), dequant_sdpa(b), ref(b)) for b in bits]
     if 4 in bits:
-        nb = layers[4][0].nbytes()
-        out += [("triton_k4v4_fp32", nb, triton(4, precise=True), ref(4)),
-                ("triton_k4v4_bn32", nb, triton(4, block_n=32), ref(4)),
-                ("dequant_sdpa_k4v4", nb, dequant_sdpa(4), ref(4))]
+        out += [("triton_k4v4_fp32", layers[4][0].nbytes(), triton(4, precise=True), ref(4))]
     return out
 
 
