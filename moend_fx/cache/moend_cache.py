@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 
 import moend_fx.cache.hf_attention  # noqa: F401  (registers the "moend" attention function)
 from moend_fx.cache.layer import MoENDLayer, PackedAttention
+from moend_fx.cache.sliding import sliding_layer
 from moend_fx.common.checks import check_choice
 from moend_fx.common.defaults import EVICT_EVERY, QUERY_WINDOW
 from moend_fx.common.errors import MoendError
@@ -108,6 +109,9 @@ class MoENDCache(Cache):
         name = plan.scorer if scorer is None else scorer
         layers = []
         for i, cfg in enumerate(plan.layers):
+            if plan.fingerprint.is_sliding(i):  # its oldest tokens leave as new ones arrive: moend_fx.cache.sliding
+                layers.append(sliding_layer(plan, i, budget_mode=budget_mode, attention_fn=attention_fn))
+                continue
             policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, reevict)
             sc = spare = None
             if cfg.evicts:

@@ -42,7 +42,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import SensitivityMeasure
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import SCORERS, build_scorer
-from moend_fx.plan.memory import keep_count
+from moend_fx.plan.memory import keep_count, sliding_kept
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint
 from moend_fx.storage.packed import PackedKV
 
@@ -96,19 +96,25 @@ def compress_side(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, ke
 
 def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int = GROUP_SIZE,
                  sink_tokens: int = SINK_TOKENS, recent_tokens: int = RECENT_TOKENS,
-                 extra: tuple[LayerConfig, ...] = (), measure: str = SensitivityMeasure.L2) -> np.ndarray:
+                 extra: tuple[LayerConfig, ...] = (), measure: str = SensitivityMeasure.L2,
+                 sliding_window: int = 0) -> np.ndarray:
     """Relative L2 error of the window queries' attention output (``measure="l2"``) or their top-1 key miss rate
     (``"top1"``, see the module docstring) for every grid config, then for each config of ``extra`` (configs
-    outside the grid, e.g. the gain probe): [C + len(extra)] float64."""
+    outside the grid, e.g. the gain probe): [C + len(extra)] float64. ``sliding_window``: a sliding layer's
+    window (0: full attention); its queries then attend to their last ``sliding_window`` keys only, as in the
+    model, so its K / V bits are measured on the tokens it holds, whatever the calibration length, and a keep
+    ratio narrows that window to its most recent ``sliding_kept`` tokens, as the cache does."""
     axes = [(getattr(grid, f), [getattr(c, n) for c in extra]) for f, n in
             (("keep_ratios", "keep_ratio"), ("k_bits", "k_bits"), ("v_bits", "v_bits"))]
     measured = Grid(*(vals + tuple(dict.fromkeys(m for m in more if m not in vals)) for vals, more in axes))
     b, hkv, t, _ = cap.keys.shape
     q, qpos = cap.queries, cap.query_positions  # [B, H, W, D], [B, W]
 
-    def allowed_for(pos: torch.Tensor | None) -> torch.Tensor:
+    def allowed_for(pos: torch.Tensor | None, window: int = sliding_window) -> torch.Tensor:
         kp = cap.key_positions[:, None, :].expand(b, hkv, t) if pos is None else pos
-        return (kp[:, :, None, None, :] <= qpos[:, None, None, :, None])  # [B, Hkv, 1, W, n]
+        kp, qp = kp[:, :, None, None, :], qpos[:, None, None, :, None]
+        allowed = kp <= qp  # [B, Hkv, 1, W, n]
+        return allowed & (kp > qp - window) if window else allowed
 
     top1 = SensitivityMeasure(measure) == SensitivityMeasure.TOP1
     full_pos = cap.key_positions[:, None, :].expand(b, hkv, t)
@@ -118,25 +124,30 @@ def layer_errors(cap: LayerCapture, grid: Grid, scorer: Any, *, group_size: int 
     if ref_norm == 0.0:
         raise MoendError("the attention output of the calibration window is all zeros; cannot measure "
                          "relative errors (check the model and the input)")
-    needs_scores = any(keep_count(t, kr, floor=sink_tokens + recent_tokens) < t for kr in measured.keep_ratios)
+    needs_scores = not sliding_window and any(keep_count(t, kr, floor=sink_tokens + recent_tokens) < t
+                                              for kr in measured.keep_ratios)
     scores = None
     if needs_scores:
         kp = cap.key_positions[:, None, :].expand(b, hkv, t)
         scores = scorer.score(cap.keys, cap.values, queries=q, key_positions=kp, query_positions=qpos)
     errs: dict[LayerConfig, float] = {}
     for keep in measured.keep_ratios:
-        k, v, pos = kept_tokens(cap, scores, keep, sink_tokens, recent_tokens)
-        allowed = allowed_for(pos)
+        if sliding_window:  # a keep ratio narrows the window to its most recent tokens (moend_fx.cache.sliding)
+            k, v, pos, packed_keep = cap.keys, cap.values, None, 1.0
+            allowed = allowed_for(None, sliding_kept(min(t, sliding_window - 1), keep) + 1)
+        else:
+            (k, v, pos), packed_keep = kept_tokens(cap, scores, keep, sink_tokens, recent_tokens), keep
+            allowed = allowed_for(pos)
         if top1:
             for kb in measured.k_bits:
-                kk = compress_side(k, v, pos, keep, kb, "k", group_size)
+                kk = compress_side(k, v, pos, packed_keep, kb, "k", group_size)
                 got = window_top1(q, kk, full_pos if pos is None else pos, allowed)
                 miss = float((got != ref_top).double().mean())
                 errs.update({LayerConfig(keep, kb, vb): miss for vb in measured.v_bits})
             continue
-        vs = [compress_side(k, v, pos, keep, vb, "v", group_size) for vb in measured.v_bits]
+        vs = [compress_side(k, v, pos, packed_keep, vb, "v", group_size) for vb in measured.v_bits]
         for kb in measured.k_bits:
-            kk = compress_side(k, v, pos, keep, kb, "k", group_size)
+            kk = compress_side(k, v, pos, packed_keep, kb, "k", group_size)
             outs = window_attention(q, kk, vs, allowed, cap.scaling)
             for vb, out in zip(measured.v_bits, outs):
                 errs[LayerConfig(keep, kb, vb)] = _rel_err(out, ref, ref_norm)
@@ -177,7 +188,8 @@ def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: Ca
     extra = () if settings.probe is None else (settings.probe,)
     from tqdm.auto import tqdm
 
-    num_layers = ModelFingerprint.from_model(model).num_layers
+    fp = ModelFingerprint.from_model(model)
+    num_layers = fp.num_layers
     rope = rope_from_model(model)
     total = np.zeros((num_layers, len(grid) + len(extra)), dtype=np.float64)
     device = next(model.parameters()).device
@@ -196,7 +208,8 @@ def _summed_errors(model: Any, token_ids: torch.Tensor, grid: Grid, settings: Ca
                     total[layer] += layer_errors(lc, grid, scorer, group_size=settings.group_size,
                                                  sink_tokens=settings.sink_tokens,
                                                  recent_tokens=settings.recent_tokens, extra=extra,
-                                                 measure=settings.measure)
+                                                 measure=settings.measure,
+                                                 sliding_window=fp.sliding_window if fp.is_sliding(layer) else 0)
                     del lc
                     bar.update(1)
     finally:

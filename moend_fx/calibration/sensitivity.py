@@ -92,16 +92,19 @@ class SensitivityTable:
 
     def bytes_matrix(self, context_length: int, batch: int = 1) -> np.ndarray:
         """[L, C] int64: every byte each config takes on each layer at ``context_length`` tokens, the eviction
-        state of the table's scorer (with this table's query statistics, when it has them) included."""
-        row = np.array([self.config_bytes(c, context_length, batch) for c in self.grid.configs], dtype=np.int64)
-        return np.tile(row, (self.fingerprint.num_layers, 1))
+        state of the table's scorer (with this table's query statistics, when it has them) included. A
+        sliding-window layer is priced by its window (``ModelFingerprint.layer_tokens``, ``memory.sliding_kept``)."""
+        fp = self.fingerprint
+        rows = {i: [self.config_bytes(c, context_length, batch, i) for c in self.grid.configs]
+                for i in {None, *fp.sliding[:1]}}  # None: a full-attention layer
+        return np.array([rows[fp.sliding[0] if fp.is_sliding(i) else None] for i in range(fp.num_layers)], np.int64)
 
-    def config_bytes(self, config: LayerConfig, context_length: int, batch: int = 1) -> int:
+    def config_bytes(self, config: LayerConfig, context_length: int, batch: int = 1, layer: int | None = None) -> int:
         """Every byte one layer at ``config`` takes at ``context_length`` tokens, priced as :meth:`bytes_matrix`
-        prices the grid's configs (``config`` need not be in the grid)."""
+        prices the grid's configs (``config`` need not be in the grid); ``layer``: its index (None: full attention)."""
         scorer, calibrated = self.pricing or (str(self.calibration.get("scorer", ScorerName.TRIG)), self.has_stats())
         return plan_layer_bytes(config, context_length, self.fingerprint, group_size=self.group_size, batch=batch,
-                                scorer=scorer, calibrated=calibrated)
+                                scorer=scorer, calibrated=calibrated, layer=layer)
 
     @property
     def loss(self) -> np.ndarray:

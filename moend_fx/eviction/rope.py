@@ -72,6 +72,11 @@ def rope_from_model(model: Any) -> RopeSpec:
         rot = getattr(owner, "rotary_emb", None) if owner is not None else None
         if rot is not None:
             break
+    # Per-layer-type RoPE (Gemma 2 / 3: ``sliding_attention_inv_freq`` and ``full_attention_inv_freq``): only the
+    # full-attention layers evict (a sliding layer keeps its whole window, moend_fx.cache.sliding), so theirs.
+    if rot is not None and not hasattr(rot, "inv_freq") and hasattr(rot, "full_attention_inv_freq"):
+        inv = rot.full_attention_inv_freq.detach().float().cpu()
+        return RopeSpec(tuple(inv.tolist()), float(getattr(rot, "full_attention_attention_scaling", 1.0)))
     if rot is None or not hasattr(rot, "inv_freq"):
         raise MoendError(
             f"model {type(model).__name__} has no rotary embedding at model.model.rotary_emb.inv_freq; "

@@ -151,19 +151,33 @@ PARTS: tuple[str, ...] = ("k_codes", "v_codes", "scales", "residual", "positions
 def plan_layer_parts(
     config: LayerConfig, tokens: int, fp: ModelFingerprint, *, group_size: int = GROUP_SIZE, batch: int = 1,
     floor: int = DEFAULT_KEEP_FLOOR, scorer: str | None = ScorerName.TRIG, calibrated: bool = True,
-    window: int = QUERY_WINDOW,
+    window: int = QUERY_WINDOW, layer: int | None = None,
 ) -> dict[str, int]:
     """Every byte a MoENDCache layer with ``config`` holds after a prompt of ``tokens`` tokens, by part
     (:data:`PARTS`): its storage (:func:`layer_bytes_breakdown`) and its eviction state ``scorer_state``
     (:func:`~moend_fx.plan.scorer_state.scorer_state_bytes`: ``scorer``, whether the layer has calibrated query
     statistics, the query ``window``; 0 for a layer that keeps every token). ``floor``: the plan's kept-token
-    floor (:func:`keep_floor`; default: that of a plan with default sinks and window)."""
+    floor (:func:`keep_floor`; default: that of a plan with default sinks and window).
+    layer: the layer's index in ``fp``; a sliding-window layer (``fp.is_sliding(layer)``) holds
+    :func:`sliding_kept` tokens, with their positions and no eviction state (its oldest token leaves as each new
+    one arrives: ``moend_fx.cache.sliding``). None: a full-attention layer."""
+    if layer is not None and fp.is_sliding(layer):
+        parts = layer_bytes_breakdown(config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
+                                      group_size=group_size, dtype=fp.dtype, slots=max(tokens, 1), positions=True,
+                                      kept=sliding_kept(fp.layer_tokens(layer, tokens), config.keep_ratio))
+        return {**parts, "scorer_state": 0}
     parts = layer_bytes_breakdown(config, tokens, kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, batch=batch,
                                   group_size=group_size, dtype=fp.dtype, floor=floor)
     parts["scorer_state"] = scorer_state_bytes(config, tokens, scorer=scorer, num_heads=fp.num_heads,
                                                head_dim=fp.head_dim, batch=batch, window=window,
                                                calibrated=calibrated)
     return parts
+
+
+def sliding_kept(window_tokens: int, keep_ratio: float) -> int:
+    """Tokens a sliding-window layer keeps of the ``window_tokens`` its window holds (``min(T, window - 1)``): a
+    keep ratio below 1 narrows its window to its most recent ``ceil(keep_ratio * window_tokens)`` tokens."""
+    return keep_count(window_tokens, keep_ratio)
 
 
 def plan_layer_bytes(config: LayerConfig, tokens: int, fp: ModelFingerprint, **kw: Any) -> int:
@@ -179,8 +193,8 @@ def plan_parts(plan: PlanShape, tokens: int | None = None, batch: int = 1,
     from a table that has them; a table without them prices its configs with ``calibrated=False``)."""
     t = plan.context_length if tokens is None else tokens
     return [plan_layer_parts(c, t, plan.fingerprint, group_size=plan.group_size, batch=batch,
-                             floor=keep_floor(plan), scorer=plan.scorer, calibrated=calibrated)
-            for c in plan.layers]
+                             floor=keep_floor(plan), scorer=plan.scorer, calibrated=calibrated, layer=i)
+            for i, c in enumerate(plan.layers)]
 
 
 def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1, calibrated: bool = True) -> int:
@@ -189,8 +203,10 @@ def plan_bytes(plan: PlanShape, tokens: int | None = None, batch: int = 1, calib
 
 
 def full_cache_bytes(model_or_fp: Any, tokens: int, batch: int = 1, dtype: Any = "16bit") -> int:
-    """Bytes of an uncompressed K/V cache. ``dtype="16bit"`` (default) is the paper's base; ``None`` means the
-    model's own dtype; or any dtype name."""
+    """Bytes of an uncompressed K/V cache as transformers holds it (``DynamicCache``: a sliding-window layer keeps
+    ``min(tokens, window - 1)`` tokens, the others every token: a hybrid such as Gemma 3 is priced as its own
+    hybrid cache). ``dtype="16bit"`` (default) is the paper's base; ``None`` means the model's own dtype; or any
+    dtype name."""
     fp = model_or_fp if isinstance(model_or_fp, ModelFingerprint) else ModelFingerprint.from_model(model_or_fp)
     if dtype == "16bit":
         eb = 2
@@ -198,7 +214,8 @@ def full_cache_bytes(model_or_fp: Any, tokens: int, batch: int = 1, dtype: Any =
         eb = dtype_bytes(fp.dtype)
     else:
         eb = dtype_bytes(dtype)
-    return fp.num_layers * batch * fp.num_kv_heads * tokens * fp.head_dim * 2 * eb
+    held = sum(fp.layer_tokens(i, tokens) for i in range(fp.num_layers))
+    return held * batch * fp.num_kv_heads * fp.head_dim * 2 * eb
 
 
 @dataclass(frozen=True)
@@ -224,7 +241,8 @@ def parse_budget(budget: Any, fp: ModelFingerprint, context_length: int, batch: 
     """Parse a budget: bytes (int), a size string ("136MB", "1.5GiB") or a ratio ("14x").
 
     A ratio ``Nx`` is 1/N of a **16-bit** cache of ``context_length`` tokens, whatever the model's dtype,
-    so our ratios compare with the paper's (design.md, evaluation protocol).
+    so our ratios compare with the paper's (design.md, evaluation protocol); for a sliding-window hybrid, of its
+    16-bit hybrid cache (:func:`full_cache_bytes`: sliding layers keep their window).
     """
     full16 = full_cache_bytes(fp, context_length, batch, dtype="16bit")
     base16 = f"16-bit cache of {context_length} tokens = {format_bytes(full16)}"

@@ -99,7 +99,8 @@ class RoutingPlan:
         layers = (config,) * fingerprint.num_layers
         floor = kw.get("sink_tokens", SINK_TOKENS) + kw.get("recent_tokens", RECENT_TOKENS)
         used = sum(plan_layer_bytes(c, context_length, fingerprint, group_size=kw.get("group_size", GROUP_SIZE),
-                                    floor=floor, scorer=kw.get("scorer", ScorerName.TRIG)) for c in layers)
+                                    floor=floor, scorer=kw.get("scorer", ScorerName.TRIG), layer=i)
+                   for i, c in enumerate(layers))
         kw.setdefault("budget_bytes", used)
         kw.setdefault("bytes_planned", used)
         return cls(layers=layers, fingerprint=fingerprint, context_length=context_length, **kw)

@@ -1,0 +1,150 @@
+"""A sliding-window cache layer (Gemma 2 / 3's local layers, Mistral with ``sliding_window``, Qwen2 with
+``use_sliding_window``): a :class:`MoENDLayer` whose oldest tokens leave as new ones arrive.
+
+A query at slot ``i`` of a sliding layer sees the keys at slots ``i - window + 1 .. i`` (transformers'
+``sliding_window_overlay``), so between steps the layer needs only the last ``window - 1`` tokens, which is what
+transformers' own ``DynamicSlidingWindowLayer`` keeps. :class:`SlidingLayer` keeps at most ``limit`` tokens between
+steps: ``window - 1`` (or, in ``budget_mode="capacity"``, fewer when the plan was priced for a shorter context:
+``ModelFingerprint.layer_tokens``), and of those the plan's keep ratio (``memory.sliding_kept``): a keep ratio below
+1 narrows the window to its most recent tokens. It never evicts by score (a query-free scorer inside a ring of recent
+tokens was not measured to help; the tokens a sliding layer drops are its oldest, which its next queries would lose
+first anyway), and its K / V bits are the plan's.
+
+How the oldest tokens leave: right after the step's attention (for a compiled step, in :meth:`settle`, outside the
+graph, before the flush of a full residual group, so both orders leave the same cache),
+* a layer with packed 4- or 8-bit K groups (quantized per channel along tokens) drops its oldest whole groups (kept
+  codes stay bit for bit, nothing is re-quantized) until it holds ``limit`` tokens or fewer: it then attends to
+  between ``limit - G + 1`` and ``limit`` past tokens (at most G - 1 of its oldest left with their group), never to
+  more than it is priced for;
+* everything else is one entry per token (16-bit K, K's residual window, V's per-token groups, positions) and is
+  sliced exactly.
+
+The layer stores every held token's slot (``positions``), so HF's logical sliding mask is read at the held slots as
+for any evicting layer (``moend_fx.cache.masks``), and the memory model counts them (``plan.memory``). It reports
+``is_sliding = True`` as transformers expects (HF builds the sliding mask from the first such layer's sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moend_fx.cache.layer import MoENDLayer, PackedAttention
+from moend_fx.common.errors import MoendError
+from moend_fx.common.options import BudgetMode
+from moend_fx.eviction.held import DenseKV
+from moend_fx.eviction.policy import EvictionPolicy
+from moend_fx.plan.memory import layer_bytes, sliding_kept
+from moend_fx.plan.routing import LayerConfig, RoutingPlan
+from moend_fx.storage.packed import PackedKV, slot_positions
+
+
+@dataclass(frozen=True)
+class SlidingBudget:
+    """The memory model of a sliding layer: ``limit`` tokens at most, with positions, no eviction state."""
+
+    config: LayerConfig
+    limit: int
+    context_length: int
+    kv_heads: int
+    head_dim: int
+    group_size: int
+
+    def held(self, kept: int, slots: int, queries: int = 0, *, batch: int, dtype: Any, evicting: bool = True) -> int:
+        """Bytes of the layer holding ``kept`` tokens out of ``slots`` (``queries``, ``evicting``: unused, as
+        :class:`~moend_fx.eviction.capacity.LayerBudget.held` takes them)."""
+        return layer_bytes(self.config, 0, kv_heads=self.kv_heads, head_dim=self.head_dim, batch=batch,
+                           group_size=self.group_size, dtype=dtype, kept=kept, slots=max(slots, 1), positions=True)
+
+    def cap(self, *, batch: int, dtype: Any) -> int:
+        """The bytes the plan gives this layer: ``limit`` tokens (or the plan's context, if shorter) of its slots."""
+        return self.held(min(self.limit, self.context_length), self.context_length, batch=batch, dtype=dtype)
+
+
+class SlidingLayer(MoENDLayer):
+    """A :class:`MoENDLayer` over a sliding window: holds at most ``limit`` tokens between steps (module doc)."""
+
+    is_sliding = True
+    is_croppable = False  # its oldest tokens are gone: a crop could not bring them back
+
+    def __init__(self, config: LayerConfig, *, layer_idx: int, window: int, limit: int, budget: SlidingBudget,
+                 group_size: int, attention_fn: PackedAttention | None = None) -> None:
+        if not 1 <= limit <= max(window - 1, 1):
+            raise MoendError(f"layer {layer_idx}: limit={limit} is invalid; allowed: 1 .. window - 1 = {window - 1}")
+        self.window, self.limit, self.plan_config = window, limit, config
+        # its storage and evictor see a config that keeps every token: a keep ratio < 1 narrows the window (limit)
+        ring = LayerConfig(1.0, config.k_bits, config.v_bits)
+        super().__init__(ring, layer_idx=layer_idx, group_size=group_size, scorer=None,
+                         policy=EvictionPolicy(BudgetMode.RATIO), attention_fn=attention_fn)
+        self.budget = budget  # the Evictor never caps a sliding layer: trimming bounds it
+
+    def _compress_prompt(self, k: torch.Tensor, v: torch.Tensor, lmask: torch.Tensor | None) -> None:
+        """Keep the prompt's last ``limit`` tokens of k, v: [B, Hkv, T, D], with their slots, and pack them."""
+        t = k.shape[2]
+        pos = slot_positions(0, t, k)
+        keep = slice(max(t - self.limit, 0), t)
+        kv = DenseKV(k[:, :, keep], v[:, :, keep], pos[:, :, keep])
+        self.packed = self.evictor.evict(kv, lmask, chunk=True, logical=self.logical)
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().attend(query, mask, scale, position_ids)
+        if not torch.compiler.is_compiling():  # a compiled step's tokens leave in settle, outside the graph
+            self._trim()
+        return out
+
+    def settle(self) -> None:
+        """Finish a deferred decode step, let the oldest tokens leave, then flush (in that order, as an eager step
+        does: a flush before the trim would pack a group the trim then has to drop whole)."""
+        if self.evictor.deferred:
+            self.packed = self.evictor.finish_deferred(self.packed, self.logical)
+        if self._pending is None:
+            self._trim()
+        super().settle()
+
+    def _trim(self) -> None:
+        """Drop the oldest tokens over ``limit`` (see the module docstring for how)."""
+        p = self.packed
+        if p is None or p.num_tokens <= self.limit:
+            return
+        over = p.num_tokens - self.limit
+        if p.num_packed and p.config.k_bits < 16:  # packed K groups leave whole, kept bit for bit
+            drop = min(-(-over // self.group_size), p.num_groups)
+            b, h = p.k_res.shape[:2]
+            p = p.keep_groups(torch.arange(drop, p.num_groups, device=p.k_res.device).expand(b, h, -1))
+            over = p.num_tokens - self.limit
+        if over > 0:  # what is left is per token (raw K, per-token V groups): a slice along dim 2 is exact
+            p = _drop_oldest(p, over)
+        self.packed = p
+
+    def model_nbytes(self) -> int:
+        self.settle()
+        if self.packed is None:
+            return 0
+        return self.budget.held(self.held, self.logical, batch=self.batch_size, dtype=self.packed.dtype)
+
+
+def _drop_oldest(p: PackedKV, n: int) -> PackedKV:
+    """``p`` without its oldest ``n`` tokens. Every tensor left to cut has the token axis at dim 2 with one entry
+    per token (raw K, packed or residual; per-token V codes, scales and zeros; positions): a slice is exact."""
+    if p.num_packed and p.config.k_bits < 16:
+        raise MoendError(f"cannot cut {n} tokens out of a layer's {p.num_groups} packed K groups")
+    return p.map(lambda t: t[:, :, n:])
+
+
+def sliding_layer(plan: RoutingPlan, layer: int, *, budget_mode: str, attention_fn: PackedAttention | None,
+                  ) -> SlidingLayer:
+    """The cache layer of sliding layer ``layer`` of ``plan``: its window from the plan's fingerprint; its limit
+    the ``sliding_kept`` share of ``window - 1`` (capacity mode: of what the plan priced it at,
+    ``fp.layer_tokens(layer, plan.context_length)``)."""
+    fp, cfg = plan.fingerprint, plan.layers[layer]
+    tokens = fp.sliding_window - 1
+    if budget_mode == BudgetMode.CAPACITY:
+        tokens = fp.layer_tokens(layer, plan.context_length)
+    limit = max(sliding_kept(tokens, cfg.keep_ratio), 1)
+    ring = LayerConfig(1.0, cfg.k_bits, cfg.v_bits)
+    budget = SlidingBudget(ring, limit, plan.context_length, fp.num_kv_heads, fp.head_dim, plan.group_size)
+    return SlidingLayer(cfg, layer_idx=layer, window=fp.sliding_window, limit=limit, budget=budget,
+                        group_size=plan.group_size, attention_fn=attention_fn)
