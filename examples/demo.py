@@ -54,7 +54,7 @@ def load_or_calibrate(model, tok, path: Path, tokens: int, scorer: str) -> Sensi
 # What the first generate() after model.compile(backend="moend") waits for, measured (docs/results.md, "Decode
 # speed and batch throughput on CPU", compile table; issue 57): the cold compile of the decode graph took 86 s on
 # 2 threads of an otherwise idle Xeon, 145 s on 1 busy thread; with inductor's cache warm (a second run), 21 s.
-COLD_COMPILE_S = {"idle 2-core CPU": 86, "busy 1-thread CPU": 145}
+COLD_COMPILE_S = {"2 idle cores": 86, "1 busy thread": 145}
 WARM_COMPILE_S = 21
 RESULTS = "docs/results.md#accuracy-vs-memory"
 
@@ -94,7 +94,7 @@ def announce_compile() -> None:
     if inductor_cache_is_warm():
         guess = f"about {WARM_COMPILE_S} s: inductor's cache from an earlier run is warm"
     else:
-        guess = ("a cold compile: " + ", ".join(f"{s} s on a {k}" for k, s in COLD_COMPILE_S.items())
+        guess = ("a cold compile: " + ", ".join(f"{s} s on {k}" for k, s in COLD_COMPILE_S.items())
                  + "; it is paid once per process, later calls reuse the compiled graph")
     print(f"[5/5] first generate(): torch.compile traces the model, the moend passes fuse dequantize + attention, "
           f"inductor compiles the decode graph ({threads} threads here; usually {guess}), then the prefill and "
