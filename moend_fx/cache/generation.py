@@ -38,6 +38,7 @@ import torch
 
 from moend_fx.cache.hf_attention import ATTN_NAME
 from moend_fx.cache.moend_cache import MoENDCache  # (import registers "moend" attention)
+from moend_fx.cache.pricing import check_priced
 from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.defaults import PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError
@@ -91,7 +92,9 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
     what it costs). None or 0: one pass whatever the length. A ``prefill_chunk_size`` the caller gives
     ``generate`` (or sets in the model's generation config) wins; only MoENDCache prefills are chunked.
     cache_kw: MoENDCache options (scorer, evict_every, budget_mode, window, attention_fn, ...).
-    Returns the model.
+    Returns the model. A cache these options would build that can hold more than the plan's budget (another
+    eviction state than the plan was priced for: no ``table=``, another ``scorer=``, a larger ``window=``) is a
+    BudgetError naming the option and how to re-solve (:func:`moend_fx.cache.pricing.check_priced`).
     """
     if not isinstance(plan, RoutingPlan):
         raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
@@ -102,7 +105,8 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
         raise MoendError(f"model {type(model).__name__} is not a Hugging Face generation model")
     plan.check_model(model)
     kw = _cache_options(model, plan, table, cache_kw)
-    MoENDCache(plan, **kw)  # fail now, not inside generate, on bad options
+    # fail now, not inside generate, on bad options or on a cache that would not keep the plan's budget
+    check_priced(plan, MoENDCache(plan, **kw), cache_kw, table)
     state = getattr(model, _STATE, None) or _install(model)
     state["plan"], state["cache_kw"], state["compile_prefill"] = plan, kw, compile_prefill
     state["prefill_chunk"], state["prefill_chunk_above"] = chunk, above

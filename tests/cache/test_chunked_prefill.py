@@ -6,6 +6,8 @@ Tiny random models for the fast tests; one slow test on SmolLM2 (the ``smollm2``
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.common.defaults import PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError
 from moend_fx.models import tiny_model
-from moend_fx.plan.memory import keep_count, keep_floor
+from moend_fx.plan.memory import keep_count, keep_floor, plan_bytes
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.storage.packed import PackedKV
 
@@ -34,7 +36,11 @@ def _model(max_positions: int = 4096):
 
 
 def _plan(model, cfg: LayerConfig, context_length: int = 256) -> RoutingPlan:
-    return RoutingPlan.uniform(cfg, ModelFingerprint.from_model(model), context_length)
+    """A uniform plan priced for the cache prepare builds here, with no table: trig estimating its query statistics
+    from a query window (``calibrated=False``; prepare refuses a plan priced for another eviction state)."""
+    plan = RoutingPlan.uniform(cfg, ModelFingerprint.from_model(model), context_length)
+    used = plan_bytes(plan, calibrated=False)
+    return dataclasses.replace(plan, budget_bytes=used, bytes_planned=used)
 
 
 def _ids(t: int, seed: int = 0) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.errors import MoendError, PlanError
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.models import tiny_model
+from moend_fx.plan.memory import plan_bytes
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 
 
@@ -21,8 +24,12 @@ def _model(**kw):
     return tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, **kw)
 
 
-def _plan(model, cfg) -> RoutingPlan:
-    return RoutingPlan.uniform(cfg, ModelFingerprint.from_model(model), 256)
+def _plan(model, cfg, calibrated: bool = True) -> RoutingPlan:
+    """A uniform plan for 256 tokens, priced for caches with calibrated query statistics (a table's) or without
+    (prepare refuses a cache whose eviction state costs more than the plan was priced for)."""
+    plan = RoutingPlan.uniform(cfg, ModelFingerprint.from_model(model), 256)
+    used = plan_bytes(plan, calibrated=calibrated)
+    return dataclasses.replace(plan, budget_bytes=used, bytes_planned=used)
 
 
 def _ids(t: int = 30) -> torch.Tensor:
@@ -47,7 +54,7 @@ def test_prepare_builds_a_fresh_cache_per_generate_call():
 
 def test_prepare_passes_options_and_respects_a_user_cache():
     model = _model()
-    prepare(model, _plan(model, LayerConfig(0.5, 4, 8)), evict_every=4, scorer="snapkv")
+    prepare(model, _plan(model, LayerConfig(0.5, 4, 8), calibrated=False), evict_every=4, scorer="snapkv")
     out = _gen(model, return_dict_in_generate=True)
     assert out.cache.layers[0].policy.evict_every == 4
     assert out.cache.layers[0].scorer.name == "snapkv"
@@ -62,7 +69,7 @@ def test_prepare_passes_options_and_respects_a_user_cache():
 def test_unprepare_restores_the_model():
     model = _model()
     ref = _gen(model, return_dict_in_generate=True)
-    prepare(model, _plan(model, LayerConfig(0.25, 4, 4)))
+    prepare(model, _plan(model, LayerConfig(0.25, 4, 4), calibrated=False))
     unprepare(model)
     assert model.config._attn_implementation == "sdpa"
     out = _gen(model, return_dict_in_generate=True)
