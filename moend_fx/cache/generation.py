@@ -37,12 +37,14 @@ from typing import Any
 import torch
 
 from moend_fx.cache.hf_attention import ATTN_NAME
+from moend_fx.cache.layer_handoff import install_handoff, remove_handoff
 from moend_fx.cache.moend_cache import MoENDCache  # (import registers "moend" attention)
 from moend_fx.cache.pricing import check_priced
 from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.defaults import PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import rope_from_model
+from moend_fx.plan.families import check_family
 from moend_fx.plan.routing import RoutingPlan
 
 _STATE = "_moend_prepared"
@@ -103,6 +105,7 @@ def prepare(model: Any, plan: RoutingPlan, *, table: Any = None, compile_prefill
     chunk, above = check_prefill_chunk(prefill_chunk, prefill_chunk_above)
     if not hasattr(model, "_prepare_cache_for_generation") or not hasattr(model, "_prefill"):
         raise MoendError(f"model {type(model).__name__} is not a Hugging Face generation model")
+    check_family(model)  # one clear error for a family moend_fx cannot serve (moend_fx.plan.families)
     plan.check_model(model)
     kw = _cache_options(model, plan, table, cache_kw)
     # fail now, not inside generate, on bad options or on a cache that would not keep the plan's budget
@@ -212,6 +215,7 @@ def _install(model: Any) -> dict[str, Any]:
     model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs, model)
     model._prefill = types.MethodType(_prefill, model)
     model.generate = types.MethodType(_generate, model)
+    install_handoff(model)  # GPT-NeoX: its attention does not pass the cache layer on (cache.layer_handoff)
     setattr(model, _STATE, state)
     return state
 
@@ -225,5 +229,6 @@ def unprepare(model: Any) -> Any:
                  "moend_plan"):
         model.__dict__.pop(name, None)  # the instance attributes; the class methods show again
     delattr(model, _STATE)
+    remove_handoff(model)
     model.set_attn_implementation(state["attn"])
     return model

@@ -42,6 +42,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import SensitivityMeasure
 from moend_fx.eviction.rope import QueryStats, rope_from_model
 from moend_fx.eviction.scorers import SCORERS, build_scorer
+from moend_fx.plan.families import check_family
 from moend_fx.plan.memory import keep_count, sliding_kept
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint
 from moend_fx.storage.packed import PackedKV
@@ -242,6 +243,7 @@ def calibrate(
     synthetic records with a tokenizer; seeded random ids without one). Keyword ``overrides`` replace fields of
     ``settings`` (e.g. ``calibrate(model, tok, tokens=1024, scorer="snapkv")``).
     """
+    check_family(model)  # one clear error for a family moend_fx cannot serve (moend_fx.plan.families)
     settings, token_ids, source = _settings_and_tokens(model, tokenizer, token_ids, settings, overrides)
     grid = grid or Grid()
     fp = ModelFingerprint.from_model(model)

@@ -1,4 +1,9 @@
-"""Tiny random-weight Llama / Qwen2 / Mistral models built from a config in code, for fast unit tests."""
+"""Tiny random-weight decoder models built from transformers' own config classes, for fast unit tests.
+
+:data:`TINY_FAMILIES` is the family matrix (``tests/models/test_families.py``): one row per family, the
+``model_type`` of its config and the config fields that make it that family in miniature (experts of a mixture,
+partial rotary, ...). Adding a family is one row.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,30 @@ from moend_fx.common.checks import check_int
 from moend_fx.common.errors import MoendError
 from moend_fx.models.loader import check_dtype
 
-TINY_FAMILIES = ("llama", "qwen2", "mistral")
+_PARTIAL = {"rope_type": "default", "rope_theta": 10000.0}
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),  # full attention, like the other families: masks stay simple
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3": ("qwen3", {}),  # QK-norm
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "gemma": ("gemma", {}),
+    "phi3": ("phi3", {}),
+    "phi3-partial": ("phi3", {"rope_parameters": {**_PARTIAL, "partial_rotary_factor": 0.5}}),  # Phi-4-mini's kind
+    "phi": ("phi", {"rope_parameters": {**_PARTIAL, "partial_rotary_factor": 0.5}}),  # Phi-2: partial rotary
+    "stablelm": ("stablelm", {"rope_parameters": {**_PARTIAL, "partial_rotary_factor": 0.25}}),
+    # GPT-NeoX (Pythia): partial rotary, its rotary module at gpt_neox.rotary_emb, no GQA
+    "gpt_neox": ("gpt_neox", {"rope_parameters": {**_PARTIAL, "partial_rotary_factor": 0.25}}),
+    "olmo2": ("olmo2", {}),  # QK-norm over all heads
+    "granite": ("granite", {"attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "starcoder2": ("starcoder2", {"sliding_window": None}),
+    "cohere": ("cohere", {}),  # interleaved RoPE pairs, parallel attention and MLP
+    "smollm3": ("smollm3", {}),
+}
+"""family name -> (config ``model_type``, config fields). Families whose attention has no GQA (GPT-NeoX) take
+``num_kv_heads == num_heads``."""
+MHA_ONLY = ("gpt_neox",)
 
 # Small enough that a forward over 256 tokens takes milliseconds on a CPU; together they cover GQA and MHA,
 # 2-4 layers and head_dim 16-64 across the three families.
@@ -28,16 +56,24 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _config_class(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def _build(family: str, fields: dict[str, Any]) -> Any:
+    """The family's config from ``fields`` and a random-weight causal LM of it (transformers' own classes)."""
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
-
-
-def _model_class(family: str):
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[family]
+    model_type, extra = TINY_FAMILIES[family]
+    config = CONFIG_MAPPING[model_type](**{**fields, **extra})
+    native = "head_dim" in getattr(type(config), "__dataclass_fields__", {})  # else: hidden_size / num_heads
+    if not native and fields["hidden_size"] != fields["num_attention_heads"] * fields["head_dim"]:
+        raise MoendError(f"family {family!r} sizes its heads as hidden_size / num_heads: hidden_size="
+                         f"{fields['hidden_size']} must be num_heads * head_dim = "
+                         f"{fields['num_attention_heads'] * fields['head_dim']}")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # defaults beyond a tiny vocabulary
+        tid = getattr(config, name, None)
+        if isinstance(tid, int) and tid >= fields["vocab_size"]:
+            setattr(config, name, None)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    config.architectures = [cls.__name__]
+    return config, cls
 
 
 def tiny_model(
@@ -54,7 +90,8 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
 ) -> Any:
-    """A random-weight ``{Llama,Qwen2,Mistral}ForCausalLM`` built from a config in code, in eval mode.
+    """A random-weight causal LM of ``family`` (a key of :data:`TINY_FAMILIES`) built from a config in code, in
+    eval mode.
 
     The same arguments and ``seed`` give the same weights; the global torch RNG is left untouched.
     ``hidden_size`` defaults to ``num_heads * head_dim``.
@@ -62,6 +99,9 @@ def tiny_model(
     if not isinstance(family, str) or family.lower() not in TINY_FAMILIES:
         raise MoendError(f"unknown tiny model family {family!r}; allowed: {', '.join(TINY_FAMILIES)}")
     family = family.lower()
+    if family in MHA_ONLY and num_kv_heads != num_heads:
+        raise MoendError(f"family {family!r} has no grouped-query attention: num_kv_heads={num_kv_heads} must equal "
+                         f"num_heads={num_heads}")
     for n, v in (("num_layers", num_layers), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                  ("head_dim", head_dim), ("vocab_size", vocab_size),
                  ("max_position_embeddings", max_position_embeddings)):
@@ -84,14 +124,11 @@ def tiny_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
     )
-    if family == "mistral":
-        kw["sliding_window"] = None  # full attention, like the other families: masks stay simple
-    config = _config_class(family)(**kw)
-    config.architectures = [_model_class(family).__name__]
+    config, cls = _build(family, kw)
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _model_class(family)(config)
+        model = cls(config)
     return model.to(dtype).eval()
 
 

@@ -100,7 +100,9 @@ def test_rope_spec_validation():
     with pytest.raises(MoendError, match="attention_scaling"):
         RopeSpec((1.0,), attention_scaling=0.0)
     with pytest.raises(MoendError, match="layout"):
-        RopeSpec((1.0,), layout="interleaved")
+        RopeSpec((1.0,), layout="rotate_quarter")
+    with pytest.raises(MoendError, match="pass-through"):
+        RopeSpec((1.0,), pass_dims=3)
     with pytest.raises(MoendError, match="head_dim"):
         RopeSpec.default(7)
     spec = RopeSpec(torch.tensor([1.0, 0.5]))

@@ -165,7 +165,7 @@ class TrigScorer(Scorer):
                     "trig scorer needs calibrated stats=QueryStats, or queries [B, H, W, D] and "
                     "query_positions [B, W] to estimate them"
                 )
-            z = to_complex(invert_rope(queries.double(), query_positions, self.rope))  # [B, H, W, F]
+            z = to_complex(invert_rope(queries.double(), query_positions, self.rope), self.rope)  # [B, H, W, F]
             qbar, eabs = z.mean(dim=2), z.abs().mean(dim=2)
         if qbar.shape[1] % hkv:
             raise MoendError(f"trig: {qbar.shape[1]} query heads is not a multiple of Hkv={hkv}")
@@ -175,14 +175,14 @@ class TrigScorer(Scorer):
         """Per KV head, the averaged rotated mean query c [B|1, Hkv, F] complex and the magnitude weights
         m [B|1, Hkv, F] (see the class docstring); qbar, incoherent: [B|1, H, F]; t_now: [B] float64."""
         g = qbar.shape[1] // hkv
-        w = torch.tensor(self.rope.inv_freq, dtype=torch.float64)  # [F]
+        w = self.rope.pair_freq_tensor(dtype=torch.float64)  # [F] (0 for channels RoPE passes through)
         deltas = torch.tensor(self.offsets, dtype=torch.float64)  # [N]
         ang = deltas[:, None] * w  # [N, F]
         avg_phase = torch.polar(torch.ones_like(ang), ang).mean(dim=0)  # [F]
         # float64 phases: t_now * w reaches 1e5 rad at long contexts
         ang = t_now[:, None] * w
         now_phase = torch.polar(torch.ones_like(ang), ang)  # [B, F]
-        s = self.rope.attention_scaling
+        s = self.rope.pair_scaling()  # a float, or [F] for a partial RoPE (passed-through pairs are not scaled)
         c = qbar.cpu() * (now_phase * avg_phase)[:, None, :] * s  # [B, H, F]
         c = c.reshape(c.shape[0], hkv, g, -1).mean(dim=2)
         m = (incoherent.cpu() * s).reshape(incoherent.shape[0], hkv, g, -1).mean(dim=2)
@@ -218,9 +218,9 @@ class TrigScorer(Scorer):
             t_now = torch.maximum(t_now, qp.amax(dim=1))
         c, m = self._coefficients(qbar, incoherent, (t_now + 1).cpu().double(), hkv)
 
-        k = keys.float()
+        k = self.rope.to_canonical(keys.float())  # [re | im] halves (a partial / interleaved RoPE reordered)
         half = d // 2
-        # keys are [re | im] halves already, so Re(c conj(krot)) = k_re . c_re + k_im . c_im
+        # Re(c conj(krot)) = k_re . c_re + k_im . c_im
         cvec = torch.cat((c.real, c.imag), dim=-1).to(device=keys.device, dtype=torch.float32)  # [B, Hkv, D]
         coherent = torch.matmul(k, cvec.expand(b, hkv, d)[..., None])[..., 0]  # [B, Hkv, T]
         kabs = torch.hypot(k[..., :half], k[..., half:])  # |krot_f| = s |k_f|: [B, Hkv, T, F]
@@ -232,5 +232,5 @@ class TrigScorer(Scorer):
         if self.value_weight:
             score = standardise(score) + self.value_weight * standardise(values.float().norm(dim=-1))
         if self.diversity_weight:
-            score = standardise(score) + self.diversity_weight * standardise(self.novelty(k, kp))
+            score = standardise(score) + self.diversity_weight * standardise(self.novelty(keys, kp))
         return pool_scores(score, self.kernel_size, self.pooling)
