@@ -12,12 +12,12 @@ attention module passes to ``cache.update(..., kwargs=kwargs)``). The order insi
 2. the attention function calls ``finish_prefill(q, mask)`` after SDPA on the staged K/V (evict + compress), or
    ``attend(q, mask)`` for a chunk / decode step over the packed storage (``attention_fn``, default
    :func:`moend_fx.attention.fused.fused_layer_attention`: the fused op eager, the pattern the ``moend`` backend
-   fuses under compile), which then
-   re-evicts when the policy (or the byte cap) says so.
+   fuses under compile), which then re-evicts when the policy (or the byte cap) says so.
 
 Inside a ``torch.compile`` graph a decode step only appends and attends: the step count and the re-eviction are
 deferred to :meth:`MoENDLayer.before_step`, run before the next step outside the graph. A prompt whose attention
-ran elsewhere enters through :meth:`MoENDLayer.load_prefill` (``MoENDCache.from_prefill``).
+ran elsewhere enters through :meth:`MoENDLayer.load_prefill` (``MoENDCache.from_prefill``). While recording its
+past (``activate_past_recording``), what a forward adds stays open until ``crop``: ``moend_fx.cache.speculation``.
 
 Lengths: ``get_seq_length`` / ``get_mask_sizes`` report the *logical* length (every token fed, padding included);
 ``held`` is what is stored. Stored positions are logical slot indices (column indices of HF's mask).
@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from moend_fx.attention.fused import fused_layer_attention
+from moend_fx.cache import speculation
 from moend_fx.cache.masks import held_attention, logical_mask
 from moend_fx.cache.prefill_inputs import check_prefill_tensors
 from moend_fx.common.defaults import GROUP_SIZE
@@ -54,7 +55,7 @@ class MoENDLayer(CacheLayerMixin):
     its :class:`~moend_fx.eviction.evictor.Evictor`'s (``policy`` and ``scorer`` are the evictor's)."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while recording its past (activate_past_recording): moend_fx.cache.speculation
     is_sliding = False
 
     def __init__(
@@ -67,6 +68,7 @@ class MoENDLayer(CacheLayerMixin):
         self.evictor = Evictor(config, group_size, policy or EvictionPolicy(), scorer, layer_idx=layer_idx,
                                budget=budget, spare=spare)
         self.attention_fn: PackedAttention = attention_fn or fused_layer_attention
+        self.record_past = False  # HF's activate_past_recording: forwards stay open until crop
         self._clear()
 
     def _clear(self) -> None:
@@ -74,14 +76,12 @@ class MoENDLayer(CacheLayerMixin):
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: str | None = None  # "prefill" | "packed" while an update awaits its attention
         self.logical = 0  # tokens fed so far (padding included): what HF sees as the sequence length
+        self.open: list[speculation.OpenStep] = []  # forwards a crop may still take back (recording only)
         self.evictor.clear()
 
     policy: EvictionPolicy = property(lambda self: self.evictor.policy)  # type: ignore[assignment]
     scorer: Scorer | None = property(lambda self: self.evictor.scorer)  # type: ignore[assignment]
-
-    @property
-    def evictions(self) -> int:  # how many times this layer has evicted
-        return self.evictor.evictions
+    evictions: int = property(lambda self: self.evictor.evictions)  # type: ignore[assignment]  # times evicted
 
     # ------------------------------------------------------------------ CacheLayerMixin protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -104,6 +104,8 @@ class MoENDLayer(CacheLayerMixin):
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["moend_layer"] = self
+        if self.record_past:  # what the step adds stays open until its crop (moend_fx.cache.speculation)
+            speculation.open_step(self, key_states, value_states)
         start, n_new = self.logical, key_states.shape[2]
         self.logical += n_new
         if self.packed is None:
@@ -117,22 +119,23 @@ class MoENDLayer(CacheLayerMixin):
         self._pending = "packed"
         return key_states, value_states
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int:  # the logical length (every token fed)
         return self.logical
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.logical + query_length, 0
 
-    def get_max_length(self) -> int:
-        return -1
+    get_max_length = staticmethod(lambda: -1)  # no maximum: the cache evicts
 
     def reset(self) -> None:
         self._clear()
         self.is_initialized = False
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise MoendError("MoENDCache cannot crop (tokens are evicted and packed); assisted/speculative "
-                         "decoding that rolls the cache back is not supported")
+    def crop(self, tokens_to_remove: int) -> None:  # drop the -tokens_to_remove newest (open) tokens
+        speculation.crop(self, tokens_to_remove)
+
+    def activate_past_recording(self) -> None:  # transformers' assisted decoding calls it before its first forward
+        self.record_past = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep batch rows ``beam_idx`` [B'] (beam search); every stored tensor is batch-first."""
@@ -144,6 +147,7 @@ class MoENDLayer(CacheLayerMixin):
         idx = torch.as_tensor(indices, device=self.device).long()
         if self._pending is not None:
             raise MoendError("cannot reorder the cache between an update and its attention")
+        speculation.crop(self, 0)
         self.settle()  # a deferred eviction uses the step's mask, whose rows are in the old order
         if self.packed is not None:
             self.packed = self.packed.index_batch(idx)
@@ -191,9 +195,7 @@ class MoENDLayer(CacheLayerMixin):
         streaming), the rows' RoPE offsets and the tensors the scorer holds (trig's calibrated statistics)."""
         return self.evictor.nbytes()
 
-    @property
-    def pending_prefill(self) -> bool:
-        return self._pending == "prefill"
+    pending_prefill: bool = property(lambda self: self._pending == "prefill")  # type: ignore[assignment]
 
     def stored_tensors(self, *, growing: bool = False) -> list[torch.Tensor]:
         """Every tensor with a token axis at dim 2 this layer holds: the PackedKV's and the scorer's query window
@@ -205,14 +207,15 @@ class MoENDLayer(CacheLayerMixin):
         self, query: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
     ) -> None:
         """After SDPA over the staged prompt: evict to the policy's share, compress, drop the dense K/V.
-
-        query: [B, H, T, D] post-RoPE; mask: HF's mask [B, 1, T, T] or None (no padding).
-        """
+        query: [B, H, T, D] post-RoPE; mask: HF's mask [B, 1, T, T] or None (no padding)."""
         if self._pending != "prefill" or self._staged is None:
             raise MoendError(f"layer {self.layer_idx}: finish_prefill without a staged prefill")
         k, v = self._staged
-        self._staged, self._pending = None, None
+        self._pending = None
         lmask = logical_mask(mask, query.shape[2], self.logical, f"layer {self.layer_idx}")
+        if self.open:  # recording: stays staged (dense) until its crop
+            return self.open[-1].attended(query, lmask, position_ids)
+        self._staged = None
         self.evictor.observe(query, self.logical, position_ids)
         self._compress_prompt(k, v, lmask)
 
@@ -221,11 +224,9 @@ class MoENDLayer(CacheLayerMixin):
         the layer is left exactly as a prefill of those tokens through the "moend" attention function leaves it
         (its own eviction with its scorer, sinks and recent window, then quantization), without attention.
 
-        keys, values: [B, Hkv, T, D] post-RoPE, unpadded (every row's T tokens are real).
-        queries: [B, H, W, D] post-RoPE queries of the prompt's last W tokens (1 <= W <= T; the scorer's window
-        keeps the last ``policy.window`` of them, so W >= min(T, window) gives the same window as a real
-        prefill); None = no queries, which a scorer that needs them (trig without calibrated stats, snapkv,
-        h2o) cannot do without: a MoendError.
+        keys, values: [B, Hkv, T, D] post-RoPE, unpadded. queries: [B, H, W, D] post-RoPE queries of the prompt's
+        last W tokens (1 <= W <= T; W >= min(T, window) gives the same window as a real prefill); None = no
+        queries, which a scorer that needs them (trig without calibrated stats, snapkv, h2o) cannot do without.
         """
         where = f"layer {self.layer_idx}"
         if self.packed is not None or self._staged is not None or self.logical:
@@ -264,6 +265,9 @@ class MoENDLayer(CacheLayerMixin):
         n_q = query.shape[2]
         lmask = logical_mask(mask, n_q, self.logical, f"layer {self.layer_idx}")
         out = held_attention(self.attention_fn, query, self.packed, lmask, scale)
+        if self.open:  # recording: observed and evicted when the step is cropped
+            self.open[-1].attended(query, lmask, position_ids)
+            return out
         self.evictor.observe(query, self.logical, position_ids)
         if n_q > 1:
             self.packed = self.evictor.evict(self.packed, lmask, chunk=True, logical=self.logical)

@@ -78,6 +78,8 @@ class MoENDCache(Cache):
     ``plan.context_length``, :meth:`budget_bytes`, whatever the length; a layer that keeps every token starts
     evicting when it outgrows that) or "ratio" (keep_ratio of the tokens seen, re-evicted every ``evict_every``
     decode steps, growing in between: the plan's bytes hold right after an eviction only). See docs/cache.md.
+    reserve: capacity mode, tokens of headroom each layer keeps beyond the next (a speculative verify step of up to
+    ``reserve + 1`` tokens then fits without evicting early: ``moend_fx.cache.speculation``; default 0).
     reevict: what a decode-time re-eviction drops from a packed layer: whole packed ``"groups"`` (default; kept
     codes are never re-quantized) or single ``"tokens"`` (the lowest-ranked; survivors re-quantized).
     An evicting layer never keeps fewer than ``floor = plan.sink_tokens + plan.recent_tokens`` tokens (or all it
@@ -97,7 +99,7 @@ class MoENDCache(Cache):
         self, plan: RoutingPlan, *, scorer: str | Scorer | None = None, rope: RopeSpec | None = None,
         query_stats: Any = None, evict_every: int = EVICT_EVERY, budget_mode: str = BudgetMode.CAPACITY,
         window: int = QUERY_WINDOW, attention_fn: PackedAttention | None = None,
-        scorer_kwargs: dict[str, Any] | None = None, reevict: str = ReEviction.GROUPS,
+        scorer_kwargs: dict[str, Any] | None = None, reevict: str = ReEviction.GROUPS, reserve: int = 0,
     ) -> None:
         if not isinstance(plan, RoutingPlan):
             raise MoendError(f"plan must be a RoutingPlan; got {type(plan).__name__}")
@@ -112,7 +114,8 @@ class MoENDCache(Cache):
             if plan.fingerprint.is_sliding(i):  # its oldest tokens leave as new ones arrive: moend_fx.cache.sliding
                 layers.append(sliding_layer(plan, i, budget_mode=budget_mode, attention_fn=attention_fn))
                 continue
-            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, reevict)
+            policy = EvictionPolicy(budget_mode, evict_every, window, plan.sink_tokens, plan.recent_tokens, reevict,
+                                    reserve)
             sc = spare = None
             if cfg.evicts:
                 sc = build_scorer(name, rope=rope, stats=_layer_stats(query_stats, i), query_window=window,

@@ -76,12 +76,13 @@ class LayerBudget:
         return limit
 
     def target(self, candidates: Sequence[int], slots: int, queries: int, *, batch: int, dtype: Any,
-               room: int) -> int | None:
+               room: int, strict: bool = False, need: int = 1) -> int | None:
         """The count an eviction leaves, out of ``candidates`` (ascending token counts it can leave): the largest
         that fits now and leaves room for the next ``room`` tokens, unless that costs more than one group's worth
         of tokens against the largest that fits now and the next token (a small cap, where the 16-bit residual
         window's swing would cost most of the layer: it keeps its tokens and evicts more often instead); None if
-        none fits.
+        none fits. strict: only a count that leaves the room (None if none does: a speculative step's tokens); need:
+        the tokens "the next" means (1, or 1 + the policy's reserve).
 
         A count fits when it and every count up to ``ahead`` tokens later stay within the cap. Over ``room`` tokens
         that is monotonic in the count (up to a partial group's jitter, which the final check absorbs), so a long
@@ -105,9 +106,9 @@ class LayerBudget:
 
         # one token ahead is not monotonic (a count just below a group boundary holds a full residual window):
         # scan down from the top, where a fit is found within about a group
-        tight = next((m for m in reversed(candidates) if fits(m, 1)), None)
+        tight = next((m for m in reversed(candidates) if fits(m, need)), None)
         roomy = largest(room)
-        if roomy is not None and (tight is None or tight - roomy <= self.group_size):
+        if strict or (roomy is not None and (tight is None or tight - roomy <= self.group_size)):
             return roomy
         return tight
 

@@ -38,12 +38,8 @@ class Evictor:
             raise MoendError(f"layer {layer_idx} ({config.name}) evicts tokens, so it needs a scorer")
         if policy.capped and budget is None:
             raise MoendError(f"layer {layer_idx}: budget_mode='capacity' needs the layer's LayerBudget")
-        self.config = config
-        self.group_size = group_size
-        self.policy = policy
-        self.budget = budget
-        self.layer_idx = layer_idx
-        self._scorers = (scorer, spare)
+        self.config, self.group_size, self.policy, self.budget = config, group_size, policy, budget
+        self.layer_idx, self._scorers = layer_idx, (scorer, spare)
         self.clear()
 
     def clear(self) -> None:
@@ -51,10 +47,10 @@ class Evictor:
         self.evicting = self.config.evicts  # a keep-1.0 layer starts evicting when it outgrows its cap
         self.window = QueryWindow(self.policy.window)
         self.rope_offset: torch.Tensor | None = None
-        self.evictions = 0
-        self.decode_steps = 0
+        self.evictions = self.decode_steps = 0
         self.queries_seen = 0  # queries observed while evicting (what the window's bytes follow)
-        self._check_in = 0  # capacity mode: decode steps until the next fit check
+        # capacity mode: decode steps until the next fit check; tokens a check must leave room for (make_room)
+        self._check_in = self._room = 0
         # (True, the step's mask [B, 1, 1, S] or None) while a compiled step's count and eviction wait, else False
         self._deferred: tuple[bool, torch.Tensor | None] = (False, None)
 
@@ -85,8 +81,7 @@ class Evictor:
                 self.window.push(q, slots, slots[None, :] - self.rope_offset[:, None])
 
     def unpadded(self, batch: int, device: torch.device, tokens: int) -> None:
-        """A prompt of ``tokens`` tokens loaded without its queries (its scorer reads none): rows are unpadded, so
-        every slot is its RoPE position."""
+        """A prompt of ``tokens`` tokens loaded without its queries: unpadded rows, every slot its RoPE position."""
         if self.evicting:
             self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)
             self.queries_seen = tokens
@@ -112,8 +107,7 @@ class Evictor:
         self.queries_seen += int(self.evicting)  # the step's query, which observe pushed if evicting
         return self.evict(packed, lmask, chunk=False, logical=logical)
 
-    def defer(self, lmask: torch.Tensor | None) -> None:
-        """A compiled decode step: counting and evicting wait for :meth:`finish_deferred`, outside the graph."""
+    def defer(self, lmask: torch.Tensor | None) -> None:  # a compiled step: finish_deferred counts and evicts
         self._deferred = (True, lmask)
 
     deferred = property(lambda self: self._deferred[0])
@@ -167,8 +161,7 @@ class Evictor:
         return self._after(out, logical)
 
     # ------------------------------------------------------------------ capacity mode
-    def _shape(self, kv: PackedKV | DenseKV) -> tuple[int, int, torch.dtype]:
-        """(held tokens, batch, model dtype) of a layer's storage."""
+    def _shape(self, kv: PackedKV | DenseKV) -> tuple[int, int, torch.dtype]:  # (held tokens, batch, model dtype)
         if isinstance(kv, DenseKV):
             return kv.keys.shape[2], kv.keys.shape[0], kv.keys.dtype
         return kv.num_tokens, kv.k_res.shape[0], kv.dtype
@@ -176,33 +169,33 @@ class Evictor:
     def _over_cap(self, kv: PackedKV | DenseKV, logical: int, chunk: bool) -> bool:
         """Whether the layer must evict to keep the next token within its byte cap (a countdown between checks:
         each check says how many more tokens fit)."""
-        if not chunk and self._check_in > 1:
+        need = max(self._room, self.policy.reserve + 1)  # the next token and the reserve, or make_room's tokens
+        if not chunk and self._check_in > need:
             self._check_in -= 1
             return False
         n, batch, dtype = self._shape(kv)
         ahead = self.budget.steps_that_fit(n, logical, self.queries_seen, batch=batch, dtype=dtype,
                                            evicting=self.evicting)
         self._check_in = ahead
-        if ahead == 0 or not chunk:
-            return ahead == 0
+        if ahead < need or not chunk:
+            return ahead < need
         held = self.budget.held(n, logical, self.queries_seen, batch=batch, dtype=dtype, evicting=self.evicting)
         return held > self.budget.cap(batch=batch, dtype=dtype)  # a prompt longer than the plan's
 
-    def _capped(self, kv: PackedKV | DenseKV, targets: torch.Tensor | None, logical: int, groups: bool,
-                ) -> torch.Tensor:
+    def _capped(self, kv: PackedKV | DenseKV, targets: torch.Tensor | None, logical: int, groups: bool) -> torch.Tensor:
         """Per-row targets [B] lowered to what the byte cap holds with room for the next tokens (by whole packed
         groups when ``groups``, if that can reach it)."""
         n, batch, dtype = self._shape(kv)
-        room = self.policy.room(self.group_size)
+        room = self._room or max(self.policy.room(self.group_size), self.policy.reserve + 1)  # make_room: its own
         limit = n if targets is None else int(targets.max())
-        kw = dict(batch=batch, dtype=dtype, room=room)
-        m = None
-        if groups:
-            m = self.budget.target([n - d * self.group_size for d in reversed(range(kv.num_groups + 1))], logical,
-                                   self.queries_seen, **kw)
-            m = None if m is None or m > limit else m
+        kw = dict(batch=batch, dtype=dtype, room=room, strict=self._room > 0, need=self.policy.reserve + 1)
+        m = self.budget.target([n - d * self.group_size for d in reversed(range(kv.num_groups + 1))], logical,
+                               self.queries_seen, **kw) if groups else None
+        m = None if m is None or m > limit else m
         if m is None:
             m = self.budget.target(range(1, limit + 1), logical, self.queries_seen, **kw)
+        if m is None and kw["need"] + self._room > 1:  # none leaves the room or reserve: what fits the next token
+            m = self.budget.target(range(1, limit + 1), logical, self.queries_seen, **kw | dict(strict=False, need=1))
         if m is None:
             self.budget.check_fits_one(logical, self.queries_seen, batch=batch, dtype=dtype,
                                        layer_idx=self.layer_idx)
@@ -217,6 +210,15 @@ class Evictor:
                                                         batch=packed.k_res.shape[0], dtype=packed.dtype,
                                                         evicting=self.evicting)
         return packed
+
+    def make_room(self, packed: PackedKV, logical: int, tokens: int) -> PackedKV:
+        """Capacity mode, between steps: evict by the byte cap so that ``tokens`` more fit (a speculative step's,
+        open until its crop: ``moend_fx.cache.speculation``); ``packed`` itself when they fit or no cap applies."""
+        if not self.policy.capped or self._check_in >= tokens:  # the countdown says they fit
+            return packed
+        self._room, self._check_in = tokens, 0  # _over_cap checks now, for ``tokens`` ahead
+        out, self._room = self.evict(packed, None, chunk=False, logical=logical), 0
+        return out
 
     def start(self, packed: PackedKV, logical: int) -> PackedKV:
         """Start evicting now (capacity mode, between steps), evicting at once if the positions leave no room."""
@@ -246,8 +248,7 @@ class Evictor:
         is quantized (regrouping survivors would re-quantize them) and it has packed groups."""
         return self.policy.whole_groups and self.config.k_bits < 16 and kv.num_groups > 0
 
-    def _by_groups(self, kv: PackedKV, target: int) -> bool:
-        """Whether this re-eviction drops whole packed groups and can reach ``target`` tokens that way."""
+    def _by_groups(self, kv: PackedKV, target: int) -> bool:  # drops whole groups and reaches ``target`` that way
         return self._has_groups(kv) and -(-(kv.num_tokens - target) // self.group_size) <= kv.num_groups
 
     def _evict_groups(self, kv: PackedKV, pos: torch.Tensor, real: RealTokens, target: int) -> PackedKV:

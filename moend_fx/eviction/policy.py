@@ -32,6 +32,8 @@ class EvictionPolicy:
     quantized): ``groups`` (default) drops whole packed groups, so kept codes are never re-quantized; ``tokens``
     drops the lowest-ranked tokens one by one and re-quantizes the survivors (finer, at a re-quantization error
     each time; docs/cache.md, "Re-eviction").
+    reserve (capacity mode): tokens of headroom kept free beyond the next one, so a speculative verify step of up
+    to ``reserve + 1`` tokens fits without evicting early (``moend_fx.cache.speculation``; 0: none).
     ``seen`` counts a row's real (unmasked) tokens, so padding never earns a row extra tokens. ``floor`` =
     sink_tokens + recent_tokens: an evicting layer keeps at least that many (or all it has) unless its byte
     budget cannot hold them. ``window``: how many recent queries a query-reading scorer scores with.
@@ -43,12 +45,14 @@ class EvictionPolicy:
     sink_tokens: int = SINK_TOKENS
     recent_tokens: int = RECENT_TOKENS
     reevict: ReEviction = ReEviction.GROUPS
+    reserve: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget_mode", check_choice("budget_mode", self.budget_mode, BudgetMode))
         object.__setattr__(self, "reevict", check_choice("reevict", self.reevict, ReEviction))
         check_int("evict_every", self.evict_every)
         check_int("window", self.window)
+        check_int("reserve", self.reserve, minimum=0)
 
     @property
     def floor(self) -> int:
