@@ -1,6 +1,6 @@
 """Tiny random-weight decoder models built from transformers' own config classes, for fast unit tests.
 
-:data:`TINY_FAMILIES` is the family matrix (``tests/models/test_families.py``): one row per family, the
+:data:`TINY_CONFIGS` is the family matrix (``tests/models/test_families.py``): one row per family, the
 ``model_type`` of its config and the config fields that make it that family in miniature (experts of a mixture,
 partial rotary, ...). Adding a family is one row.
 """
@@ -16,7 +16,7 @@ from moend_fx.common.errors import MoendError
 from moend_fx.models.loader import check_dtype
 
 _PARTIAL = {"rope_type": "default", "rope_theta": 10000.0}
-TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "mistral": ("mistral", {"sliding_window": None}),  # full attention, like the other families: masks stay simple
@@ -39,6 +39,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 """family name -> (config ``model_type``, config fields). Families whose attention has no GQA (GPT-NeoX) take
 ``num_kv_heads == num_heads``."""
 MHA_ONLY = ("gpt_neox",)
+TINY_FAMILIES = ("llama", "qwen2", "mistral")
+"""The families the presets span, which take any shape (a hidden size other than heads x head_dim included)."""
 
 # Small enough that a forward over 256 tokens takes milliseconds on a CPU; together they cover GQA and MHA,
 # 2-4 layers and head_dim 16-64 across the three families.
@@ -60,9 +62,10 @@ def _build(family: str, fields: dict[str, Any]) -> Any:
     """The family's config from ``fields`` and a random-weight causal LM of it (transformers' own classes)."""
     from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_type, extra = TINY_FAMILIES[family]
+    model_type, extra = TINY_CONFIGS[family]
     config = CONFIG_MAPPING[model_type](**{**fields, **extra})
-    native = "head_dim" in getattr(type(config), "__dataclass_fields__", {})  # else: hidden_size / num_heads
+    # a config without a head_dim field sizes heads as hidden_size / num_heads (the preset families read head_dim)
+    native = family in TINY_FAMILIES or "head_dim" in getattr(type(config), "__dataclass_fields__", {})
     if not native and fields["hidden_size"] != fields["num_attention_heads"] * fields["head_dim"]:
         raise MoendError(f"family {family!r} sizes its heads as hidden_size / num_heads: hidden_size="
                          f"{fields['hidden_size']} must be num_heads * head_dim = "
@@ -90,14 +93,14 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
 ) -> Any:
-    """A random-weight causal LM of ``family`` (a key of :data:`TINY_FAMILIES`) built from a config in code, in
+    """A random-weight causal LM of ``family`` (a key of :data:`TINY_CONFIGS`) built from a config in code, in
     eval mode.
 
     The same arguments and ``seed`` give the same weights; the global torch RNG is left untouched.
     ``hidden_size`` defaults to ``num_heads * head_dim``.
     """
-    if not isinstance(family, str) or family.lower() not in TINY_FAMILIES:
-        raise MoendError(f"unknown tiny model family {family!r}; allowed: {', '.join(TINY_FAMILIES)}")
+    if not isinstance(family, str) or family.lower() not in TINY_CONFIGS:
+        raise MoendError(f"unknown tiny model family {family!r}; allowed: {', '.join(TINY_CONFIGS)}")
     family = family.lower()
     if family in MHA_ONLY and num_kv_heads != num_heads:
         raise MoendError(f"family {family!r} has no grouped-query attention: num_kv_heads={num_kv_heads} must equal "

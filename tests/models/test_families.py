@@ -1,9 +1,9 @@
-"""The family matrix: every family of ``moend_fx.models.tiny.TINY_FAMILIES`` (tiny random-weight models from
+"""The family matrix: every family of ``moend_fx.models.tiny.TINY_CONFIGS`` (tiny random-weight models from
 transformers' own config classes), run as a user would: the RoPE the scorers read is the model's own, the lossless
 plan gives DynamicCache's greedy tokens, an 8x plan (calibrated, solved, prepared) keeps the cache's measured bytes
 at or under its budget after the prompt and every decode step, and ``backend="moend"`` (aot_eager inner compiler:
 the passes and kernels run, no inductor compile) gives the eager compressed tokens with every quantized layer fused
-and no graph break. Adding a family is one row in TINY_FAMILIES."""
+and no graph break. Adding a family is one row in TINY_CONFIGS."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.compile.backend import compile_inner
 from moend_fx.compile.settings import BackendSettings
 from moend_fx.eviction.rope import invert_rope, rope_from_model
-from moend_fx.models import TINY_FAMILIES, tiny_model, uncompile
-from moend_fx.models.tiny import MHA_ONLY
+from moend_fx.models import tiny_model, uncompile
+from moend_fx.models.tiny import MHA_ONLY, TINY_CONFIGS
 from moend_fx.plan.grid import Grid
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 
@@ -42,7 +42,7 @@ def _greedy(model, ids, n, **kw):
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_the_scorers_rope_is_the_models_own(family):
     """Layer 0's keys depend on the token alone before RoPE (no family here adds positions elsewhere): the same 20
     tokens at positions 0-19 and 20-39, un-rotated with ``rope_from_model`` (partial rotary, interleaved pairs and
@@ -59,7 +59,7 @@ def test_the_scorers_rope_is_the_models_own(family):
     assert not torch.allclose(keys[:, :, :20], keys[:, :, 20:], atol=1e-3 * keys.abs().max().item())
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_the_lossless_plan_gives_dynamic_cache_tokens(family):
     model = _model(family)
     ids = _ids(40)
@@ -100,7 +100,7 @@ def _fused_layers(graphs) -> set[int]:
             if n.op == "call_function" and "packed_attention" in str(n.target)}
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_an_8x_plan_keeps_its_budget_eager_and_compiles_to_the_same_tokens(family, monkeypatch):
     model = _model(family)
     table = calibrate(model, token_ids=_ids(128, seed=1), grid=GRID)

@@ -11,7 +11,8 @@ from transformers import Gemma2Config, GptOssConfig, GptOssForCausalLM, LlamaCon
 
 from moend_fx import calibrate, prepare
 from moend_fx.common.errors import PlanError
-from moend_fx.models import TINY_FAMILIES, tiny_model
+from moend_fx.models import tiny_model
+from moend_fx.models.tiny import TINY_CONFIGS
 from moend_fx.plan.families import FAMILIES, check_family, family_of, refusal
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 
@@ -54,7 +55,7 @@ def test_structural_refusals_name_the_family_and_the_reason(cfg, words):
         assert w in str(err.value)
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_every_family_of_the_matrix_is_served(family):
     model = tiny_model(family, num_heads=4, num_kv_heads=4, head_dim=16)
     assert refusal(model) is None
