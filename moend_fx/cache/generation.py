@@ -40,6 +40,7 @@ from moend_fx.cache.hf_attention import ATTN_NAME
 from moend_fx.cache.layer_handoff import install_handoff, remove_handoff
 from moend_fx.cache.moend_cache import MoENDCache  # (import registers "moend" attention)
 from moend_fx.cache.pricing import check_priced
+from moend_fx.cache.speculation import eager_if_assisted, shadow_candidates
 from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.defaults import PREFILL_CHUNK, PREFILL_CHUNK_ABOVE
 from moend_fx.common.errors import MoendError
@@ -205,7 +206,7 @@ def _install(model: Any) -> dict[str, Any]:
                 generation_config.prefill_chunk_size = None
 
     def _generate(self: Any, *args: Any, **kwargs: Any):
-        with decode_compile_settings():
+        with decode_compile_settings(), eager_if_assisted(self, kwargs):
             return getattr(self, _STATE)["generate"](*args, **kwargs)
 
     state["generate"] = model.generate
@@ -216,6 +217,7 @@ def _install(model: Any) -> dict[str, Any]:
     model._prefill = types.MethodType(_prefill, model)
     model.generate = types.MethodType(_generate, model)
     install_handoff(model)  # GPT-NeoX: its attention does not pass the cache layer on (cache.layer_handoff)
+    shadow_candidates(model)  # assisted decoding: the first forward is the prompt alone (see its docstring)
     setattr(model, _STATE, state)
     return state
 
@@ -226,7 +228,7 @@ def unprepare(model: Any) -> Any:
     if state is None:
         return model
     for name in ("_prepare_cache_for_generation", "prepare_inputs_for_generation", "_prefill", "generate",
-                 "moend_plan"):
+                 "_get_candidate_generator", "moend_plan"):
         model.__dict__.pop(name, None)  # the instance attributes; the class methods show again
     delattr(model, _STATE)
     remove_handoff(model)

@@ -194,15 +194,16 @@ def _draft():
 
 
 @pytest.mark.parametrize("mode", ["ratio", "capacity"])
-@pytest.mark.parametrize("how", ["prompt_lookup"])
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
 def test_assisted_and_prompt_lookup_give_plain_greedy_tokens(mode, how):
     """Prompts of 80-94 tokens evicted to half at prefill, groups of 8 filling inside verify steps, no eviction
     during decoding (ratio: every 128 steps; capacity: a 256-token plan): the verified tokens equal plain greedy
     decoding's with the same plan, bit for bit (fp32 tiny model), and every crop keeps the budget."""
     torch.manual_seed(0)
     model = _model()
-    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), ModelFingerprint.from_model(model), 256, group_size=8)
-    opts = dict(scorer="snapkv", budget_mode=mode, evict_every=128)
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), ModelFingerprint.from_model(model), 256, group_size=8,
+                               scorer="snapkv")
+    opts = dict(budget_mode=mode, evict_every=128)
     prepare(model, plan, **opts)
     extra = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": _draft()}
     kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
@@ -223,9 +224,9 @@ def test_evictions_during_speculation_keep_the_budget(reserve):
     not fit first evicts older tokens."""
     torch.manual_seed(0)
     model = _model()
-    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), ModelFingerprint.from_model(model), 64)
-    prepare(model, plan, scorer="snapkv", reserve=reserve)
-    cache = BudgetWatch(plan, scorer="snapkv", rope=rope_from_model(model), reserve=reserve)
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), ModelFingerprint.from_model(model), 64, scorer="snapkv")
+    prepare(model, plan, reserve=reserve)
+    cache = BudgetWatch(plan, rope=rope_from_model(model), reserve=reserve)
     out = model.generate(_ids(40, 1), cache=cache, assistant_model=_draft(), max_new_tokens=40, min_new_tokens=40,
                          do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80) and cache.checks > 1 and cache.get_seq_length() == 79
