@@ -19,12 +19,13 @@ def k_logits(q, q16, kp, ks, kz, bkv, P, t0, offs_n, offs_d, K_BITS: tl.constexp
     """Base-2 logits [BM, BN] of the packed K tokens offs_n = t0 + [0, BN) (whole K groups: t0 and BN are
     multiples of GROUP, so no load is masked). q: [BM, D] fp32 scaled by the softmax scale x log2 e; q16 its fp16.
 
-    Quantized K: codes come as fp16 1024 + c (:mod:`moend_fx.kernels.triton_unpack`); 1024 is taken off exactly
-    in fp16 and each group's per-channel scale and zero rows ([BN / GROUP, D], one load each, broadcast over the
-    group's tokens) applied by one fp16 FMA per value; then q16 @ k^T with fp32 accumulation. (Folding the scale
-    into q instead, q*s per group and a per-row bias for the zero point, measured 0.45 warp-instructions per byte
-    against this path's 0.36 at 4 warps: with the 3 query rows padded to the dot's 16, scaling q costs as much as
-    scaling the codes, and the bias adds a cross-lane sum per group; docs/kernels.md.)
+    Quantized K: codes come as exact fp16 values without a per-code int-to-float conversion
+    (:mod:`moend_fx.kernels.triton_unpack`); each group's per-channel scale and zero rows ([BN / GROUP, D], one
+    load each, broadcast over the group's tokens) are applied by one fp16 FMA per value; then q16 @ k^T with fp32
+    accumulation. (Folding the scale into q instead, q*s per group and a per-row bias for the zero point,
+    measured 0.45 warp-instructions per byte against this path's 0.36 at 4 warps and 32-token steps: with the 3
+    query rows padded to the dot's 16, scaling q costs as much as scaling the codes, and the bias adds a
+    cross-lane sum per group; docs/kernels.md.)
     PRECISE: fp32 operands and IEEE dots (the reference's values, for the tests)."""
     if K_BITS == 16:
         k = tl.load(kp + (bkv * P + offs_n)[:, None] * HEAD_DIM + offs_d[None, :])
@@ -32,14 +33,14 @@ def k_logits(q, q16, kp, ks, kz, bkv, P, t0, offs_n, offs_d, K_BITS: tl.constexp
         NW: tl.constexpr = HEAD_DIM * K_BITS // 32
         NG: tl.constexpr = BN // GROUP
         w = tl.load(kp + (bkv * P + offs_n)[:, None] * NW + tl.arange(0, NW)[None, :])
-        h = unpack_fp16(w, BN, NW, K_BITS, USE_ASM)  # [BN, D] fp16: 1024 + code
+        c = unpack_fp16(w, BN, NW, K_BITS, USE_ASM)  # [BN, D] fp16 codes, exact
         grp = ((bkv * (P // GROUP) + t0 // GROUP + tl.arange(0, NG)) * HEAD_DIM)[:, None] + offs_d[None, :]
         sc = tl.reshape(tl.broadcast_to(tl.load(ks + grp)[:, None, :], [NG, GROUP, HEAD_DIM]), [BN, HEAD_DIM])
         ze = tl.reshape(tl.broadcast_to(tl.load(kz + grp)[:, None, :], [NG, GROUP, HEAD_DIM]), [BN, HEAD_DIM])
         if PRECISE:
-            k = (h.to(tl.float32) - 1024.0) * sc.to(tl.float32) + ze.to(tl.float32)
+            k = c.to(tl.float32) * sc.to(tl.float32) + ze.to(tl.float32)
         else:
-            k = (h - 1024.0) * sc + ze  # exact subtraction, then one fp16 FMA (2^-11 of |k|)
+            k = c * sc + ze  # one fp16 FMA (2^-11 of |k|)
     if PRECISE:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -70,14 +71,13 @@ def v_rows(vp, vs, vz, bkv, PV, offs_n, offs_d, n_mask, V_BITS: tl.constexpr, HE
             w = tl.load(wptr, mask=n_mask[:, None], other=0)
             sc = tl.load(vs + sidx, mask=n_mask[:, None], other=0.0)
             ze = tl.load(vz + sidx, mask=n_mask[:, None], other=0.0)
-        h = unpack_fp16(w, BN, NW, V_BITS, USE_ASM)  # [BN, D] fp16: 1024 + code, exact
+        c = unpack_fp16(w, BN, NW, V_BITS, USE_ASM)  # [BN, D] fp16 codes, exact
         scb = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NGV, GROUP_V]), [BN, HEAD_DIM])
         zeb = tl.reshape(tl.broadcast_to(ze[:, :, None], [BN, NGV, GROUP_V]), [BN, HEAD_DIM])
         if PRECISE:
-            v = (h.to(tl.float32) - 1024.0) * scb.to(tl.float32) + zeb.to(tl.float32)
+            v = c.to(tl.float32) * scb.to(tl.float32) + zeb.to(tl.float32)
         else:
-            # h - 1024 is exact in fp16; one fp16 FMA per value (2^-11 of |v|, well under a 2-8-bit step)
-            v = (h - 1024.0) * scb + zeb
+            v = c * scb + zeb  # one fp16 FMA per value (2^-11 of |v|, well under a 2-8-bit step)
     return v
 
 

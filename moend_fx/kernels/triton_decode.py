@@ -169,7 +169,11 @@ def _tickets(n: int, device: torch.device) -> torch.Tensor:
     so a call allocates nothing for them and a captured CUDA graph replays with the same buffer."""
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
-        buf = _TICKETS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a capture it would live in the graph's private pool; the first (warm-up) call makes it
+            raise MoendError(f"the Triton kernel needs {n} split tickets but its buffer was not made before this "
+                             "CUDA graph capture; run the step once uncaptured first (warm-up)")
+        buf = _TICKETS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
 
 

@@ -20,19 +20,36 @@ import triton.language as tl
 
 def unpack_asm(bits: int) -> str:
     """PTX turning the word ``$P`` (P = 32 / bits, the input's operand number) into ``32 / bits`` fp16 outputs
-    ``$0 .. $(P-1)``, output j = 1024 + code j."""
+    ``$0 .. $(P-1)``, output j = 1024 + code j * 2**(bits * (j % (8 / bits))) (:func:`exponents`).
+
+    Per pair of adjacent channels (2i, 2i+1), which share a byte below 8 bits: one ``prmt`` copies their byte(s)
+    into both 16-bit halves with 0x64 above (8 bits: bytes 2i and 2i+1, done), one ``lop3`` keeps each half's
+    field (4 bits: the byte's low nibble in the low half, its high nibble, in place, in the high half; 2 bits: two
+    pairs from one ``prmt``). The fields are then ``code * 2**e`` above 1024, which :func:`unpack_fp16` undoes."""
     per = 32 // bits
-    half = per // 2
-    mask = (1 << bits) - 1
     lines = ["{", ".reg .b32 t;"]
-    for j in range(half):
-        src = f"${per}"
-        if j:
-            lines.append(f"shr.b32 t, ${per}, {bits * j};")
-            src = "t"
-        lines.append(f"lop3.b32 t, {src}, {mask | mask << 16:#010x}, 0x64006400, 0xea;")  # (a & b) | c
-        lines.append(f"mov.b32 {{${j}, ${j + half}}}, t;")
-    return "\n".join(lines + ["}"])
+    for i in range(per // 2):
+        byte = 2 * i * bits // 8  # the byte holding channel 2i
+        if bits == 8:
+            lines.append(f"prmt.b32 ${2 * i}x, ${per}, 0x64646464, {byte | 4 << 4 | (byte + 1) << 8 | 4 << 12:#06x};")
+            continue
+        if (2 * i * bits) % 8 == 0:  # a new byte: both halves get it, 0x64 above
+            lines.append(f"prmt.b32 t, ${per}, 0x64646464, {byte | 4 << 4 | byte << 8 | 4 << 12:#06x};")
+        lo = ((1 << bits) - 1) << ((2 * i * bits) % 8)
+        hi = lo << bits
+        lines.append(f"lop3.b32 ${2 * i}x, t, {0xFF00FF00 | hi << 16 | lo:#010x}, 0, 0xc0;")  # a & b
+    body = "\n".join(lines + ["}"])
+    # each pair register is split into its two fp16 outputs
+    for i in range(per // 2):
+        body = body.replace(f"${2 * i}x", f"p{i}")
+    regs = ", ".join(f"p{i}" for i in range(per // 2))
+    movs = "\n".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(per // 2))
+    return body.replace(".reg .b32 t;", f".reg .b32 t, {regs};").rstrip("}") + movs + "\n}"
+
+
+def exponents(bits: int) -> list[int]:
+    """e per channel j of a word: the unpacked fp16 is 1024 + code * 2**e, e = bits * (j % (8 / bits))."""
+    return [bits * (j % (8 // bits)) for j in range(32 // bits)]
 
 
 # globals a @triton.jit function reads must be constexprs
@@ -46,7 +63,7 @@ OUT8 = tl.constexpr(",".join(["=h"] * 4 + ["r"]))
 
 @triton.jit
 def _join_tree4(h):
-    """[.., 4] in code order from the 4 outputs of one word (pairs j, j + 2 first)."""
+    """[.., 4] in channel order from the 4 outputs of one word (the last join is the innermost, adjacent pair)."""
     return tl.join(tl.join(h[0], h[2]), tl.join(h[1], h[3]))
 
 
@@ -77,24 +94,35 @@ def _join_tree16(h):
 
 
 @triton.jit
-def unpack_fp16(w, ROWS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """int32 code words [ROWS, WORDS] -> fp16 [ROWS, WORDS * 32 / BITS] holding 1024 + code, in channel order."""
+def _fields(w, ROWS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """fp16 [ROWS, WORDS * 32 / BITS]: 1024 + code * 2**e per channel (:func:`exponents`)."""
     PER: tl.constexpr = 32 // BITS
     if USE_ASM:
         if BITS == 8:
             h = tl.inline_asm_elementwise(ASM8, OUT8, [w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
             x = _join_tree4(h)
         elif BITS == 4:
-            h = tl.inline_asm_elementwise(ASM4, OUT4, [w], dtype=(tl.float16,) * 8,
-                                          is_pure=True, pack=1)
+            h = tl.inline_asm_elementwise(ASM4, OUT4, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
             x = _join_tree8(h)
         else:
-            h = tl.inline_asm_elementwise(ASM2, OUT2, [w], dtype=(tl.float16,) * 16,
-                                          is_pure=True, pack=1)
+            h = tl.inline_asm_elementwise(ASM2, OUT2, [w], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
             x = _join_tree16(h)
         out = tl.reshape(x, [ROWS, WORDS * PER])
     else:
-        shift = tl.arange(0, PER) * BITS
-        code = (w[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
-        out = tl.reshape((code + 1024).to(tl.float16), [ROWS, WORDS * PER])
+        j = tl.arange(0, PER)
+        code = (w[:, :, None] >> (j * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        e = (j % (8 // BITS)) * BITS
+        out = tl.reshape(((code << e[None, None, :]) + 1024).to(tl.float16), [ROWS, WORDS * PER])
     return out
+
+
+@triton.jit
+def unpack_fp16(w, ROWS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 code words [ROWS, WORDS] -> the codes as fp16 [ROWS, WORDS * 32 / BITS], exactly, in channel order:
+    the fields 1024 + c * 2**e (no int-to-float conversion) times 2**-e plus -1024 * 2**-e, one fp16 FMA a value,
+    exact (a power-of-two scaling of integers below 2**11)."""
+    PER: tl.constexpr = 32 // BITS
+    x = _fields(w, ROWS, WORDS, BITS, USE_ASM)
+    e = (tl.arange(0, WORDS * PER) % (8 // BITS)) * BITS
+    f = tl.exp2(-e.to(tl.float32))
+    return x * f.to(tl.float16)[None, :] + (-1024.0 * f).to(tl.float16)[None, :]

@@ -178,12 +178,49 @@ def test_triton_packed_tail_past_the_last_block():
     torch.testing.assert_close(out, reference_attention(q, layer), atol=1e-5, rtol=1e-4)  # fp32 reordering
 
 
-@in_child_only
-def test_unpack_asm_text():
-    """The PTX each width gets: one lop3 per two codes, a shift for every pair but the first, no conversion."""
-    from moend_fx.kernels.triton_unpack import unpack_asm
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Emulate the unpack PTX (prmt, lop3 a & b, mov.b32 {lo, hi}) on one 32-bit word: the 16-bit outputs."""
+    regs, outs = {}, {}
+    n_out = asm.count("mov.b32") * 2
 
+    def val(tok):
+        tok = tok.strip()
+        if tok == f"${n_out}":
+            return word
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in asm.splitlines():
+        op, _, args = line.rstrip(";").partition(" ")
+        a = [x.strip() for x in args.split(",")] if "{" not in args else None
+        if op == "prmt.b32":
+            src = val(a[1]).to_bytes(4, "little") + val(a[2]).to_bytes(4, "little")
+            sel = val(a[3])
+            regs[a[0]] = int.from_bytes(bytes(src[(sel >> 4 * k) & 7] for k in range(4)), "little")
+        elif op == "lop3.b32":
+            assert a[4] == "0xc0"  # a & b
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "mov.b32":
+            lo, hi = args.split("}")[0].strip("{ ").split(",")
+            r = val(args.split("}")[1].strip(", "))
+            outs[int(lo.strip()[1:])], outs[int(hi.strip()[1:])] = r & 0xFFFF, r >> 16
+    return [outs[j] for j in range(n_out)]
+
+
+def test_unpack_ptx_gives_1024_plus_scaled_codes():
+    """The GPU's unpack (inline PTX, which the interpreter cannot run), emulated on random words: output j is the
+    fp16 1024 + code_j * 2**e_j (code j at bit bits * j, the cache's order), one prmt a byte and one lop3 a pair."""
+    import numpy as np
+
+    from moend_fx.kernels.triton_unpack import exponents, unpack_asm
+
+    gen = torch.Generator().manual_seed(0)
     for bits in (2, 4, 8):
         asm = unpack_asm(bits)
-        assert asm.count("lop3.b32") == 16 // bits and asm.count("shr.b32") == 16 // bits - 1
-        assert "cvt" not in asm and f"${32 // bits}" in asm  # the input operand follows the 32/bits outputs
+        assert "cvt" not in asm and "shr" not in asm
+        assert asm.count("prmt.b32") == (2 if bits == 8 else 4) and asm.count("lop3.b32") == (0 if bits == 8 else
+                                                                                              16 // bits)
+        for word in torch.randint(0, 2**32, (50,), generator=gen, dtype=torch.int64).tolist():
+            got = np.array(_run_ptx(asm, word), dtype=np.uint16).view(np.float16).astype(np.float64)
+            codes = [(word >> bits * j) & ((1 << bits) - 1) for j in range(32 // bits)]
+            want = [1024 + c * 2**e for c, e in zip(codes, exponents(bits), strict=True)]
+            assert got.tolist() == want, (bits, hex(word))
