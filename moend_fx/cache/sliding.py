@@ -17,7 +17,10 @@ graph, before the flush of a full residual group, so both orders leave the same 
   between ``limit - G + 1`` and ``limit`` past tokens (at most G - 1 of its oldest left with their group), never to
   more than it is priced for;
 * everything else is one entry per token (16-bit K, K's residual window, V's per-token groups, positions) and is
-  sliced exactly.
+  sliced exactly;
+* and by bytes: a layer also drops its oldest tokens while it would take more than its cap (the memory model's bytes
+  at ``limit`` tokens) once packed, since a count below ``limit`` can take more (its last tokens wait at 16 bits
+  for their K group): so the cap holds at every step, at the cost of a shorter window where the cap is small.
 
 The layer stores every held token's slot (``positions``), so HF's logical sliding mask is read at the held slots as
 for any evicting layer (``moend_fx.cache.masks``), and the memory model counts them (``plan.memory``). It reports
@@ -105,18 +108,24 @@ class SlidingLayer(MoENDLayer):
         super().settle()
 
     def _trim(self) -> None:
-        """Drop the oldest tokens over ``limit`` (see the module docstring for how)."""
+        """Drop the oldest tokens until the layer holds at most ``limit`` and, as ``settle`` will pack it, at most
+        its cap's bytes (a count below ``limit`` can take more: its last tokens wait at 16 bits for their K group).
+        Whole packed K groups first (see the module docstring), then single tokens where every tensor is per token."""
         p = self.packed
-        if p is None or p.num_tokens <= self.limit:
+        if p is None:
             return
-        over = p.num_tokens - self.limit
-        if p.num_packed and p.config.k_bits < 16:  # packed K groups leave whole, kept bit for bit
-            drop = min(-(-over // self.group_size), p.num_groups)
-            b, h = p.k_res.shape[:2]
-            p = p.keep_groups(torch.arange(drop, p.num_groups, device=p.k_res.device).expand(b, h, -1))
-            over = p.num_tokens - self.limit
-        if over > 0:  # what is left is per token (raw K, per-token V groups): a slice along dim 2 is exact
-            p = _drop_oldest(p, over)
+        batch, dtype = p.k_res.shape[0], p.dtype
+        cap = self.budget.cap(batch=batch, dtype=dtype)
+
+        def fits(n: int) -> bool:
+            return n <= self.limit and self.budget.held(n, self.logical, batch=batch, dtype=dtype) <= cap
+
+        while not fits(p.num_tokens) and p.num_packed and p.config.k_bits < 16:
+            b, h = p.k_res.shape[:2]  # drop the oldest packed K group, kept codes bit for bit
+            p = p.keep_groups(torch.arange(1, p.num_groups, device=p.k_res.device).expand(b, h, -1))
+        if not fits(p.num_tokens):  # what is left is per token (raw K, per-token V groups): an exact slice
+            keep = next((m for m in range(min(p.num_tokens, self.limit), 0, -1) if fits(m)), 0)
+            p = _drop_oldest(p, p.num_tokens - keep)
         self.packed = p
 
     def model_nbytes(self) -> int:
