@@ -35,6 +35,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2": ("starcoder2", {"sliding_window": None}),
     "cohere": ("cohere", {}),  # interleaved RoPE pairs, parallel attention and MLP
     "smollm3": ("smollm3", {}),
+    # sliding-window layers (moend_fx.cache.sliding), windows far shorter than the matrix's 600-token prompt
+    "mistral-sliding": ("mistral", {"sliding_window": 64}),  # Mistral-7B-v0.1's kind: every layer slides
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}),
+    # the matrix's two layers; layer 0 full, so the RoPE check reads the global base the scorers use
+    "gemma3_text": ("gemma3_text", {"sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}),
 }
 """family name -> (config ``model_type``, config fields). Families whose attention has no GQA (GPT-NeoX) take
 ``num_kv_heads == num_heads``."""
