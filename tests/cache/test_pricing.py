@@ -155,7 +155,7 @@ def test_smollm2_the_two_reproductions_are_refused_and_the_priced_plans_keep_the
 
     monkeypatch.setattr(generation, "MoENDCache", Recording)
     try:
-        for p, kw, length, new in ((plan, {}, 2048, 8), (snap, {"scorer": "snapkv"}, 1900, 64)):
+        for p, kw, length, new in ((plan, {}, 2048, 8), (snap, {"scorer": "snapkv"}, 1900, 32)):
             ex = make_examples("passkey", tok, length, 1, seed=3)[0]
             ids = tok(ex.prompt_full, return_tensors="pt")
             prepare(model, p, table=table, **kw)
