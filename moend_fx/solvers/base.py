@@ -186,7 +186,8 @@ class Solver:
             context_length=context_length,
             grid=table.grid,
             group_size=table.group_size,
-            scorer=str(table.calibration.get("scorer", ScorerName.TRIG)),
+            # the scorer the bytes were priced for (SensitivityTable.priced_for), so prepare builds that one
+            scorer=str(table.pricing[0] if table.pricing else table.calibration.get("scorer", ScorerName.TRIG)),
             solver=self.name,
             predicted_loss=loss,
             bytes_planned=plan_bytes_of(B, idx) if batch == 1 else plan_bytes_of(

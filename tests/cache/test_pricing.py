@@ -91,7 +91,9 @@ def test_another_scorer_or_a_larger_window_is_refused_and_named():
     prepare(model, plan, table=table, window=64)  # calibrated trig reads no queries: the window costs nothing
     snap = get_solver("greedy").solve(table.priced_for("snapkv", calibrated=False), "4x",
                                       context_length=CONTEXT).plan
-    prepare(model, snap, scorer="snapkv")
+    assert snap.scorer == "snapkv"  # a plan records the scorer it was priced for: prepare builds that one
+    prepare(model, snap)
+    assert {layer.scorer.name for layer in generation.MoENDCache(snap).layers if layer.scorer} == {"snapkv"}
     with pytest.raises(BudgetError, match="window=64 \\(plans are priced with the default window=32\\)"):
         prepare(model, snap, scorer="snapkv", window=64)
     unprepare(model)
