@@ -14,6 +14,7 @@ headroom (capacity mode) so an open round always fits its byte budget.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +31,14 @@ from moend_fx.plan.routing import RoutingPlan
 @dataclass(frozen=True)
 class SpeculationResult:
     """tokens: [1, n] the new tokens; drafted / accepted: draft tokens proposed and kept; rounds: verify forwards;
-    draft_cache: the compressed cache after the last round."""
+    draft_cache: the compressed cache after the last round; decode_seconds: wall time after the two prefills."""
 
     tokens: torch.Tensor
     drafted: int
     accepted: int
     rounds: int
     draft_cache: MoENDCache
+    decode_seconds: float
 
     @property
     def acceptance(self) -> float:
@@ -70,6 +72,7 @@ def self_speculative_generate(model: Any, ids: torch.Tensor, plan: RoutingPlan, 
         layer.activate_past_recording()
         layer.record_past = draft_tokens + 1  # a round's draft forwards stay open until its crop
     pending, drafted, accepted, rounds = [seq[-1]], 0, 0, 0
+    t0 = time.perf_counter()
     while len(seq) < max_new_tokens:
         k = min(draft_tokens, max_new_tokens - len(seq))
         proposal, feed = [], pending
@@ -87,4 +90,5 @@ def self_speculative_generate(model: Any, ids: torch.Tensor, plan: RoutingPlan, 
             pending = [proposal[-1], target[n]]
         seq += [*proposal[:n], target[n]]
         drafted, accepted, rounds = drafted + k, accepted + n, rounds + 1
-    return SpeculationResult(torch.tensor([seq[:max_new_tokens]]), drafted, accepted, rounds, draft)
+    return SpeculationResult(torch.tensor([seq[:max_new_tokens]]), drafted, accepted, rounds, draft,
+                             time.perf_counter() - t0)

@@ -30,6 +30,7 @@ from moend_fx.cli.bench_commands import (
     cmd_triton,
     command_line,
 )
+from moend_fx.cli.bench_speculative import add_parser as add_speculative
 from moend_fx.cli.calibrate import add_tail_option
 from moend_fx.cli.search import add_measured_args
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
@@ -220,6 +221,8 @@ def register(subparsers: Any) -> None:
     h.add_argument("--alpha", type=float, default=hb.alpha,
                    help="share of the layer's count every head keeps at least (default %(default)s)")
     _common(h, cmd_heads)
+
+    add_speculative(sub, _common)
 
     a = sub.add_parser("all", help="run every benchmark and rewrite docs/results.md",
                        description="Runs " + ", ".join(KEYS) + " with modest defaults (--quick: smaller).")

@@ -1,0 +1,54 @@
+"""``moend bench speculative``: self-speculative decoding vs plain greedy decoding (:mod:`moend_fx.bench.speculative`);
+writes speculative.json and speculative.md under ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from moend_fx.bench.speculative import SpeculativeBenchSettings
+from moend_fx.calibration.tables import default_table_path
+from moend_fx.cli.args import int_list, positive_int
+from moend_fx.common.defaults import DEFAULT_MODEL
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    """Register ``speculative`` on the ``moend bench`` subparsers; ``common`` adds the shared options."""
+    d = SpeculativeBenchSettings()
+    p = sub.add_parser("speculative", help="self-speculative decoding (compressed cache drafts, full cache verifies) "
+                       "vs plain greedy decoding: tokens/s and acceptance")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder")
+    p.add_argument("--contexts", default=",".join(map(str, d.contexts)), help="comma list of prompt lengths")
+    p.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="tokens decoded (default %(default)s)")
+    p.add_argument("--draft-tokens", type=positive_int, default=d.draft_tokens, help="draft tokens per round")
+    p.add_argument("--budget", default=d.budget, help="budget solved on the model's table (default %(default)s)")
+    p.add_argument("--table", default=None, help="sensitivity table (default: the model's cached one)")
+    common(p, cmd_speculative)
+
+
+def cmd_speculative(args: argparse.Namespace) -> int:
+    import torch
+
+    from moend_fx.bench.decode import all_cores
+    from moend_fx.bench.speculative import bench_speculative, markdown_table, write_results
+    from moend_fx.calibration.tables import load_table
+    from moend_fx.cli.bench_commands import command_line
+    from moend_fx.models import load_model
+
+    settings = SpeculativeBenchSettings(contexts=tuple(int_list(args.contexts, "--contexts", example="4096,8192")),
+                                        new_tokens=args.new_tokens, draft_tokens=args.draft_tokens,
+                                        budget=args.budget)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or all_cores())
+    try:
+        model, tokenizer = load_model(args.model)
+        cached = default_table_path(args.model)
+        table = load_table(args.table or str(cached)) if args.table or cached.is_file() else None
+        result = bench_speculative(model, tokenizer, settings, table=table)
+    finally:
+        torch.set_num_threads(threads)
+    print(markdown_table(result))
+    for kind, path in write_results(result, Path(args.out), command_line(args)).items():
+        print(f"{kind}: {path}")
+    return 0
