@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moend_fx.cache.generation import prepare
+from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import rope_from_model
@@ -231,3 +231,43 @@ def test_evictions_during_speculation_keep_the_budget(reserve):
                          do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80) and cache.checks > 1 and cache.get_seq_length() == 79
     assert all(layer.evictions > 3 for layer in cache.layers)
+
+
+@torch.no_grad()
+def _chunk_vs_steps(model, ids: torch.Tensor, tokens: torch.Tensor) -> float:
+    """Largest |logit| difference on SmolLM2 between feeding ``tokens`` [1, n] as one chunk and one by one after
+    ids, both over a DynamicCache: the rounding scale a verify step's chunk has by itself."""
+    from transformers import DynamicCache
+
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    for c in caches:
+        model(ids, cache=c, use_cache=True)
+    chunk = model(tokens, cache=caches[0], use_cache=True).logits[0]
+    steps = torch.cat([model(tokens[:, i : i + 1], cache=caches[1], use_cache=True).logits[0]
+                       for i in range(tokens.shape[1])])
+    return float((chunk - steps).abs().max())
+
+
+@pytest.mark.slow
+def test_prompt_lookup_on_smollm2_gives_plain_greedy_tokens(smollm2):
+    """SmolLM2, a uniform 4x-ish plan (keep 0.5, K4/V4), a repetitive prompt prompt lookup can draft from: the
+    tokens equal plain greedy's with the same plan, or differ first where plain greedy's top-2 margin is within 10x
+    the logit rounding DynamicCache itself shows between a chunk and one-by-one decoding (a near-tie)."""
+    model, tok = smollm2
+    text = "The list of colours: red, green, blue, red, green, blue, yellow. " * 12 + "Repeat the list:"
+    ids = tok(text, return_tensors="pt").input_ids
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 4), ModelFingerprint.from_model(model), 512, scorer="snapkv")
+    prepare(model, plan, reserve=3)
+    try:
+        kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        want = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
+        got = model.generate(ids, prompt_lookup_num_tokens=3, **kw)
+    finally:
+        unprepare(model)
+    w, g = want.sequences[0, ids.shape[1]:], got[0, ids.shape[1]:]
+    diff = (w != g).nonzero()
+    if len(diff):
+        i = int(diff[0])
+        top = want.scores[i][0].topk(2).values
+        scale = _chunk_vs_steps(model, ids, w[None, :4])
+        assert float(top[0] - top[1]) < 10 * scale, (i, float(top[0] - top[1]), scale)
