@@ -64,7 +64,8 @@ class StaticFigures:
 @dataclass(frozen=True)
 class StaticSpec:
     """What the launch of one variant compiles: the kernel, its signature, constexprs, the arguments the launch
-    passes 16-divisible (pointers, the split length), warps, stages, and the HBM bytes of one main-loop step."""
+    passes 16-divisible (pointers, the split length, P: a multiple of the K group), warps, stages, the register cap,
+    and the HBM bytes of one main-loop step."""
 
     fn: object
     signature: dict
@@ -72,6 +73,7 @@ class StaticSpec:
     divisible: tuple
     num_warps: int
     num_stages: int
+    maxnreg: int
     loop_bytes: int
 
 
@@ -85,7 +87,7 @@ def _side_bytes(bits: int, tokens: int, head_dim: int, group_size: int, per_chan
 
 def static_spec(k_bits: int, v_bits: int, head_dim: int, gqa: int, group_size: int = GROUP_SIZE) -> StaticSpec:
     """The decode launch of one layer at batch B, one query (L = 1), no mask, several splits (the long-context
-    case); 16-bit sides in fp16."""
+    case); 16-bit sides in fp16. Its constexprs are the launch's (:func:`triton_decode.constexprs`)."""
     import triton
 
     from moend_fx.kernels import triton_decode as td
@@ -95,6 +97,7 @@ def static_spec(k_bits: int, v_bits: int, head_dim: int, gqa: int, group_size: i
     block_n = td.block_n_for(group_size)
     const = td.constexprs(k_bits, v_bits, head_dim, group_size, gqa, max(16, triton.next_power_of_2(gqa)), block_n,
                           v_res=v_bits == 16, split=True)
+    const["L"] = 1  # one query a row: Triton specialises an int argument equal to 1 as a constant, as here
     ptrs = {"q_ptr": "*fp16", "kp": "*i32" if k_bits < 16 else "*fp16", "ks": "*fp16", "kz": "*fp16",
             "vp": "*i32" if v_bits < 16 else "*fp16", "vs": "*fp16", "vz": "*fp16", "kr": "*fp16", "vr": "*fp16",
             "mask_ptr": "*i32", "out": "*fp16", "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32",
@@ -103,7 +106,8 @@ def static_spec(k_bits: int, v_bits: int, head_dim: int, gqa: int, group_size: i
     sig = {n: ptrs.get(n, "fp32" if n == "scale" else "constexpr" if n in const else "i32") for n in fn.arg_names}
     loop = _side_bytes(k_bits, block_n, head_dim, group_size, True) + _side_bytes(v_bits, block_n, head_dim,
                                                                                  group_size, False)
-    return StaticSpec(fn, sig, const, (*ptrs, "tokens_per_split"), td.NUM_WARPS, td.NUM_STAGES, loop)
+    return StaticSpec(fn, sig, const, (*ptrs, "tokens_per_split", "P"), td.NUM_WARPS, td.NUM_STAGES,
+                      td.max_registers(head_dim), loop)
 
 
 def _tool(name: str) -> str:
@@ -125,7 +129,7 @@ def compile_cubin(k_bits: int, v_bits: int, head_dim: int, gqa: int, arch: int =
     attrs = {(spec.fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible}
     src = ASTSource(spec.fn, spec.signature, spec.constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+                              options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages, maxnreg=spec.maxnreg))
     return compiled.asm["cubin"], int(compiled.metadata.shared), spec
 
 

@@ -121,6 +121,13 @@ INTERPRETED = not isinstance(_decode_kernel, triton.runtime.jit.JITFunction)
 LOG2E = 1.4426950408889634
 NUM_WARPS = 4
 NUM_STAGES = 2
+
+
+def max_registers(head_dim: int) -> int:
+    """The register cap of the launch (``maxnreg``). Left to itself, ptxas held k8v4 at head_dim 64 to 128
+    registers with a spill around the loop (static report, sm_90); a cap of 168 removed it (140 used) and moved no
+    other head_dim <= 128 variant's main loop by more than 16 instructions; head_dim 256 needs ~233 (255: no cap)."""
+    return 168 if head_dim <= 128 else 255
 BLOCK_N = 128
 
 
@@ -245,6 +252,7 @@ def packed_attention_triton(
             ptr(v_scale), ptr(v_zero), ptr(k_res), ptr(v_res), mask_bytes, out, part_m, part_l, part_acc,
             _tickets(b * hkv * n_mblk, q.device), h, l, p, r, p + r, p + r - v_res.shape[2], per_split, ns,
             float(scale) * LOG2E, *mstrides, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            maxnreg=max_registers(d),
             **constexprs(k_bits, v_bits, d, group_size, h // hkv, block_m, block_n, causal=bool(causal and l > 1),
                          v_res=bool(v_res.shape[2]), has_mask=mask is not None, precise=precise, split=ns > 1),
         )

@@ -35,19 +35,20 @@ def test_main_loop_is_the_first_backward_branch_with_a_dot():
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory):
     out = tmp_path_factory.mktemp("static")
-    return {bits: static_report.analyse(bits, bits, 64, 3, 90, out) for bits in (2, 4, 8)}
+    # k8v4 is here because ptxas once spilled it (fixed by the launch's register cap, triton_decode.max_registers)
+    return {pair: static_report.analyse(*pair, 64, 3, 90, out) for pair in ((2, 2), (4, 4), (8, 8), (8, 4))}
 
 
 def test_no_spills_no_i2f_and_fp16_tensor_core_dots(figures):
-    for bits, f in figures.items():
-        assert f.local_bytes == 0, (bits, f)
-        assert f.loop_i2f == 0, (bits, f)
-        assert f.loop_dot and all(op.startswith("HMMA.16816.F32") for op in f.loop_dot), (bits, f.loop_dot)
+    for pair, f in figures.items():
+        assert f.local_bytes == 0, (pair, f)
+        assert f.loop_i2f == 0, (pair, f)
+        assert f.loop_dot and all(op.startswith("HMMA.16816.F32") for op in f.loop_dot), (pair, f.loop_dot)
         assert not any("TF32" in op for op in f.loop_dot)
 
 
 def test_k4v4_issues_at_most_030_warp_instructions_per_byte(figures):
-    f = figures[4]
+    f = figures[4, 4]
     # one step reads 128 tokens x (32 B of K codes + 32 B of V codes) + 4 K groups' and 128 tokens' fp16 scale/zero
     assert f.loop_bytes == 128 * 64 + 4 * 64 * 4 + 128 * 2 * 4
     assert f.instr_per_byte <= 0.30, f
