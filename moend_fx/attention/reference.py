@@ -24,12 +24,13 @@ def chunk_causal_mask(num_queries: int, num_keys: int, device: torch.device | No
 
 def attention_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-    causal_chunk: bool = True, mask: torch.Tensor | None = None,
+    causal_chunk: bool = True, mask: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q: [B, H, L, D] over k, v: [B, Hkv, S, D] (H a multiple of Hkv, GQA), in fp32.
 
     causal_chunk: the L queries are the last L of the S keys (bottom-right causal mask); ignored for L = 1.
     mask: optional bool [B, 1 or H, L, S] (True = may attend), e.g. left padding; combined with the above.
+    softcap: logit soft-capping, ``softcap * tanh(logits / softcap)`` (Gemma 2's ``attn_logit_softcapping``).
     Returns [B, H, L, D] in q's dtype.
     """
     b, h, l, d = q.shape
@@ -43,6 +44,8 @@ def attention_dense(
     # [B, Hkv, G, L, D] x [B, Hkv, 1, D, S]: the G query heads of a group share one K/V head.
     qf = q.float().reshape(b, hkv, g, l, d)
     logits = torch.matmul(qf, k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     allowed = None
     if causal_chunk and l > 1:
         if l > s:
@@ -62,11 +65,12 @@ def attention_dense(
 
 def reference_attention(
     q: torch.Tensor, layer: PackedKV, *, scale: float | None = None, causal_chunk: bool = True,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q: [B, H, L, D] over every token held by ``layer`` (packed + residual).
 
     For a multi-token chunk, the chunk must already be appended to ``layer`` (its tokens are the newest L).
+    softcap: logit soft-capping (:func:`attention_dense`).
     """
     k, v = layer.dequantize(torch.float32)
-    return attention_dense(q, k, v, scale=scale, causal_chunk=causal_chunk, mask=mask)
+    return attention_dense(q, k, v, scale=scale, causal_chunk=causal_chunk, mask=mask, softcap=softcap)

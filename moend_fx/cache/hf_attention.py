@@ -17,12 +17,15 @@ pattern is plainly causal (no padding).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from moend_fx.attention.reference import attention_dense, reference_attention
 
 ATTN_NAME = "moend"
 
@@ -38,6 +41,13 @@ def moend_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     position_ids = kwargs.get("position_ids")
+    softcap = kwargs.get("softcap")
+    if softcap:  # Gemma 2's logit soft-capping: reference attention, which caps the logits (not fused when compiled)
+        if layer.pending_prefill:
+            out = attention_dense(query, key, value, scale=scaling, mask=attention_mask, softcap=softcap)
+            layer.attention_fn = functools.partial(reference_attention, softcap=softcap)  # its chunks and steps
+            layer.finish_prefill(query, attention_mask, position_ids)
+            return out.transpose(1, 2).contiguous(), None
     if layer.pending_prefill:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, **kwargs)

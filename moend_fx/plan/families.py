@@ -4,7 +4,7 @@ A plan, a table and a cache apply to any decoder whose attention is softmax over
 RoPE (or no position code in the keys at all); what differs between families is data in :data:`FAMILIES`: how the
 rotated channels pair (``rope_layout``) and whether the attention module hands its keyword arguments to
 ``cache.update`` (``update_kwargs``; GPT-NeoX does not, so ``prepare`` hands the cache layer over itself). A model
-that needs what the moend attention and its kernels do not compute (learned sinks, logit soft-capping, ALiBi, ...)
+that needs what the moend attention and its kernels do not compute (learned sinks, ALiBi, ...)
 is refused by :func:`check_family` with one :class:`PlanError` naming the family and the reason, before anything
 deeper could fail on a shape. ``docs/models.md`` has the support table.
 """
@@ -57,14 +57,6 @@ def family_of(model_or_config: Any) -> Family | None:
     return FAMILIES.get(str(getattr(text_config(model_or_config), "model_type", "")))
 
 
-def _softcapping(cfg: Any) -> str | None:
-    cap = getattr(cfg, "attn_logit_softcapping", None)
-    if cap:
-        return (f"attention logit soft-capping (attn_logit_softcapping={cap}) is not computed by the moend "
-                "attention or its fused kernels")
-    return None
-
-
 def _alibi(cfg: Any) -> str | None:
     if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
         return "ALiBi position biases are not applied by the moend attention"
@@ -92,7 +84,7 @@ def _partial_rotary(cfg: Any) -> str | None:
     return None
 
 
-CHECKS: tuple[Callable[[Any], str | None], ...] = (_softcapping, _alibi, _linear_layers, _partial_rotary)
+CHECKS: tuple[Callable[[Any], str | None], ...] = (_alibi, _linear_layers, _partial_rotary)
 """Structural checks every model goes through, listed or not: each returns why it is refused, or None."""
 
 
