@@ -121,6 +121,10 @@ def prefill(model: Any, ids: Sequence[int], *, window: int = 32, base: PrefillSt
     finally:
         _RECORDER = None
     kv = [(layer.keys, layer.values) for layer in cache.layers]
+    if len({k.shape[2] for k, _ in kv}) > 1:  # a sliding layer keeps its window: the copies below would misplace it
+        raise MoendError("the evaluation's one-prefill pipeline does not serve sliding-window models yet (their "
+                         "sliding layers hold only their window after the prefill); measure them through "
+                         "moend_fx.prepare and generate (docs/models.md)")
     return PrefillState(kv, queries, kv[0][0].shape[2])
 
 
