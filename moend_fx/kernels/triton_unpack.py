@@ -94,26 +94,40 @@ def _join_tree16(h):
 
 
 @triton.jit
+def _field(w, j: tl.constexpr, BITS: tl.constexpr):
+    """Plain Triton for the asm's output j: fp16 1024 + code j * 2**e_j (the interpreter cannot run inline asm)."""
+    E: tl.constexpr = (j % (8 // BITS)) * BITS
+    return ((((w >> (j * BITS)) & ((1 << BITS) - 1)) << E) + 1024).to(tl.float16)
+
+
+@triton.jit
 def _fields(w, ROWS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """fp16 [ROWS, WORDS * 32 / BITS]: 1024 + code * 2**e per channel (:func:`exponents`)."""
+    """fp16 [ROWS, WORDS * 32 / BITS]: 1024 + code * 2**e per channel (:func:`exponents`). The outputs of a word
+    go through the same join tree on both paths, so the interpreter tests check its channel order too."""
     PER: tl.constexpr = 32 // BITS
-    if USE_ASM:
-        if BITS == 8:
+    if BITS == 8:
+        if USE_ASM:
             h = tl.inline_asm_elementwise(ASM8, OUT8, [w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-            x = _join_tree4(h)
-        elif BITS == 4:
-            h = tl.inline_asm_elementwise(ASM4, OUT4, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-            x = _join_tree8(h)
         else:
-            h = tl.inline_asm_elementwise(ASM2, OUT2, [w], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
-            x = _join_tree16(h)
-        out = tl.reshape(x, [ROWS, WORDS * PER])
+            h = (_field(w, 0, 8), _field(w, 1, 8), _field(w, 2, 8), _field(w, 3, 8))
+        x = _join_tree4(h)
+    elif BITS == 4:
+        if USE_ASM:
+            h = tl.inline_asm_elementwise(ASM4, OUT4, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            h = (_field(w, 0, 4), _field(w, 1, 4), _field(w, 2, 4), _field(w, 3, 4), _field(w, 4, 4),
+                 _field(w, 5, 4), _field(w, 6, 4), _field(w, 7, 4))
+        x = _join_tree8(h)
     else:
-        j = tl.arange(0, PER)
-        code = (w[:, :, None] >> (j * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        e = (j % (8 // BITS)) * BITS
-        out = tl.reshape(((code << e[None, None, :]) + 1024).to(tl.float16), [ROWS, WORDS * PER])
-    return out
+        if USE_ASM:
+            h = tl.inline_asm_elementwise(ASM2, OUT2, [w], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+        else:
+            h = (_field(w, 0, 2), _field(w, 1, 2), _field(w, 2, 2), _field(w, 3, 2), _field(w, 4, 2),
+                 _field(w, 5, 2), _field(w, 6, 2), _field(w, 7, 2), _field(w, 8, 2), _field(w, 9, 2),
+                 _field(w, 10, 2), _field(w, 11, 2), _field(w, 12, 2), _field(w, 13, 2), _field(w, 14, 2),
+                 _field(w, 15, 2))
+        x = _join_tree16(h)
+    return tl.reshape(x, [ROWS, WORDS * PER])
 
 
 @triton.jit
