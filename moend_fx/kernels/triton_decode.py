@@ -137,10 +137,17 @@ def _interpret_env() -> contextlib.AbstractContextManager:
     return mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}) if INTERPRETED else contextlib.nullcontext()
 
 
-def choose_splits(tokens: int, units: int, block_n: int, device: torch.device, per_sm: int = 4) -> int:
+def resident_per_sm(head_dim: int) -> int:
+    """Programs of this kernel one SM holds at once, from the static report (sm_90, 4 warps = 128 threads): up to
+    head_dim 128 a program takes 127-168 registers a thread (16-22K of an SM's 64K: 3 fit) and 28-60 KB of shared
+    memory; at head_dim 256, 116 KB of shared memory (of 228 KB): 1 fits."""
+    return 3 if head_dim <= 128 else 1
+
+
+def choose_splits(tokens: int, units: int, block_n: int, device: torch.device, per_sm: int = 3) -> int:
     """Token splits filling one wave: ``units`` programs per split (rows x KV heads x query blocks), ``per_sm``
-    resident programs an SM (4 on CUDA; 4 slots in all on a CPU), each split at least 4 blocks of ``block_n``.
-    More splits than one wave only add merges; fewer leave SMs idle."""
+    resident programs an SM (:func:`resident_per_sm`; 4 slots in all on a CPU), each split at least 4 blocks of
+    ``block_n``. More splits than one wave only add merges; fewer leave SMs idle."""
     slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm if device.type == "cuda" else 4
     max_splits = max(1, tokens // (4 * block_n))
     return max(1, min(max_splits, slots // max(1, units)))
@@ -190,14 +197,14 @@ def block_n_for(group_size: int) -> int:
 
 
 def _launch_shape(p: int, units: int, rows: int, group_size: int, block_m: int | None, num_splits: int,
-                  device: torch.device) -> tuple[int, int, int, int, int]:
+                  device: torch.device, head_dim: int = 64) -> tuple[int, int, int, int, int]:
     """(block_n, block_m, query blocks, splits, tokens per split) for P packed tokens and ``rows`` query rows per KV
     head (``units``: batch rows x KV heads); the splits share P's whole blocks (the last one also the rest)."""
     block_n = block_n_for(group_size)
     block_m = block_m or max(16, min(64, triton.next_power_of_2(rows)))
     n_mblk = -(-rows // block_m)
     blocks = p // block_n
-    ns = num_splits or choose_splits(p, units * n_mblk, block_n, device)
+    ns = num_splits or choose_splits(p, units * n_mblk, block_n, device, resident_per_sm(head_dim))
     per_split = -(-max(blocks, 1) // ns) * block_n
     return block_n, block_m, n_mblk, max(1, -(-blocks * block_n // per_split)), per_split
 
@@ -234,7 +241,7 @@ def packed_attention_triton(
     hkv, r, p = k_res.shape[1], k_res.shape[2], k_packed.shape[2]
     rows = (h // hkv) * l
     block_n, block_m, n_mblk, ns, per_split = _launch_shape(p, b * hkv, rows, group_size, block_m, num_splits,
-                                                            q.device)
+                                                            q.device, d)
     out = torch.empty(b, h, l, d, device=q.device, dtype=q.dtype)
     parts = b * hkv * n_mblk * ns * block_m if ns > 1 else 1
     part_m = torch.empty(parts, device=q.device, dtype=torch.float32)
