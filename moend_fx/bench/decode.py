@@ -84,7 +84,8 @@ def plan_for_length(model: Any, length: int, settings: DecodeBenchSettings, *, t
         res.plan.check_model(fp)
         return res.plan, f"greedy on the sensitivity table for budget {settings.budget} (16-bit base)"
     c = settings.uniform
-    p = RoutingPlan.uniform(c, fp, length)
+    # priced for the cache it runs in: no table, so the scorer has no calibrated query statistics
+    p = RoutingPlan.uniform(c, fp, length, calibrated=False)
     return p, f"hand-written uniform plan: keep {c.keep_ratio:g} / K{c.k_bits} / V{c.v_bits} on every layer"
 
 

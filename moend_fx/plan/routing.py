@@ -91,15 +91,18 @@ class RoutingPlan:
             raise PlanError(msg + "; calibrate and solve a plan for this model")
 
     @classmethod
-    def uniform(cls, config: LayerConfig, fingerprint: ModelFingerprint, context_length: int,
-                **kw: Any) -> RoutingPlan:
+    def uniform(cls, config: LayerConfig, fingerprint: ModelFingerprint, context_length: int, *,
+                calibrated: bool = True, **kw: Any) -> RoutingPlan:
         """The same config on every layer; ``budget_bytes`` and ``bytes_planned`` default to what it takes at
         ``context_length`` tokens, priced with the plan's own kept-token floor (``sink_tokens +
-        recent_tokens`` from ``kw``, else the defaults)."""
+        recent_tokens`` from ``kw``, else the defaults). calibrated: price the eviction state of a cache with
+        calibrated query statistics (``prepare(model, plan, table=...)``); False for a cache prepared without a
+        table, whose scorer keeps a query window instead (``prepare`` refuses a plan priced for less)."""
         layers = (config,) * fingerprint.num_layers
         floor = kw.get("sink_tokens", SINK_TOKENS) + kw.get("recent_tokens", RECENT_TOKENS)
         used = sum(plan_layer_bytes(c, context_length, fingerprint, group_size=kw.get("group_size", GROUP_SIZE),
-                                    floor=floor, scorer=kw.get("scorer", ScorerName.TRIG), layer=i)
+                                    floor=floor, scorer=kw.get("scorer", ScorerName.TRIG), layer=i,
+                                    calibrated=calibrated)
                    for i, c in enumerate(layers))
         kw.setdefault("budget_bytes", used)
         kw.setdefault("bytes_planned", used)

@@ -90,7 +90,7 @@ def test_failing_method_is_reported_not_raised(model, monkeypatch):
 
 def test_given_plan_is_used(model):
     fp = ModelFingerprint.from_model(model)
-    plan = RoutingPlan.uniform(LayerConfig(0.5, 8, 4), fp, 64)
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 8, 4), fp, 64, calibrated=False)  # priced for no table
     res = D.bench_decode(model, D.DecodeBenchSettings(methods=("moend_eager",), lengths=(64,), steps=1, warmup=0),
                          plan=plan, progress=False)
     assert res["rows"][0]["plan"] == "3x keep 0.5/K8/V4"
@@ -100,7 +100,7 @@ def test_given_plan_is_used(model):
 
 def test_eviction_options_reach_the_moend_caches(model):
     fp = ModelFingerprint.from_model(model)
-    plan = RoutingPlan.uniform(LayerConfig(0.25, 4, 4), fp, 256)
+    plan = RoutingPlan.uniform(LayerConfig(0.25, 4, 4), fp, 256, calibrated=False)  # priced for no table
     m = decode_run.DecodeMethod("moend_eager", True, None, {256: plan})
     fill = D.DecodeBenchSettings(methods=("moend_eager",), lengths=(256,), steps=6, warmup=0, evict_every=1,
                                  reevict="tokens")
