@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moend_fx.bench.decode_tables import compile_table
+from moend_fx.bench.published_extra import gemma_table, speculative_table
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.report_markdown import headline
 from moend_fx.eval.summary import AVG
@@ -194,6 +195,24 @@ def triton_table(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def static_table(folder: Path) -> str:
+    """The Triton kernel's static SASS figures on sm_90, before (the kernel of 33b31d1) and after its rebuild, per
+    shipped variant: registers, spilled bytes, main-loop warp-instructions per HBM byte, I2F, the dot."""
+    before = {(r["variant"], r["arch"]): r for r in _load(folder / "before.json")}
+    lines = ["Compiled for sm_90 on a CPU with Triton's bundled ptxas (no GPU involved); per variant, before -> after:",
+             "", "| variant | registers | spilled B | warp-instr / HBM byte | I2F in loop | dot in loop |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for a in _load(folder / "after.json"):
+        b = before.get((a["variant"], a["arch"]))
+        if a["arch"] != 90 or b is None:
+            continue
+        dot = " -> ".join(", ".join(r["loop_dot"]) for r in (b, a))
+        lines.append(f"| {a['variant']} | {b['registers']} -> {a['registers']} | {b['local_bytes']} -> "
+                     f"{a['local_bytes']} | {b['instr_per_byte']:.3f} -> {a['instr_per_byte']:.3f} | "
+                     f"{b['loop_i2f']} -> {a['loop_i2f']} | {dot} |")
+    return "\n".join(lines) + "\n"
+
+
 PROXY_RUNS = (("retrieval-tail", "default query-agnostic table, held-out text ending with a retrieval tail"),
               ("plain-text", "default query-agnostic table, plain held-out text (`--tail 0`)"),
               ("query-aware", "default query-aware table (`snapkv_trig`), held-out text with the tail"))
@@ -224,6 +243,11 @@ TABLES: tuple[PublishedTable, ...] = (
     PublishedTable("kernels-cpu", "moend bench kernels --lengths 8192,32768,131072 --runs 30 --doc '' --out "
                    "docs/data/kernels-cpu/runN (five times)", kernels_table),
     PublishedTable("kernels-gpu", "moend bench triton (on a CUDA GPU; CI has none)", triton_table),
+    PublishedTable("kernels-static", "moend bench kernels --static --out DIR (before: the kernel of 33b31d1)",
+                   static_table),
+    PublishedTable("gemma3-4k", "python docs/data/gemma3-4k/measure.py 4 (n = 4 per task)", gemma_table),
+    PublishedTable("speculative", "moend bench speculative --contexts 4096 --new-tokens 64 --draft-tokens 4 "
+                   "--table <the snapkv_trig table> --out docs/data/speculative", speculative_table),
     PublishedTable("proxy", "moend bench proxy --threads 2 --doc '' --out docs/data/proxy/SUB "
                    "(SUB plain-text: --tail 0; "
                    "query-aware: --table the snapkv_trig table)", proxy_table),

@@ -50,15 +50,8 @@ def test_no_table_of_measurements_outside_the_markers(doc):
     assert set(headers) <= UNMARKED_HEADERS, f"{doc}: tables not rendered from records: {headers}"
 
 
-# Record folders another issue's helper writes at the same time, whose table the coordinator adds to results.md
-# after them (issue 57's brief); each entry names who adds it. Move an entry into published_tables when it lands.
-PENDING = {"kernels-static": "issue 56 (Triton kernel): the static SASS report, table added by the coordinator",
-           "gemma3-4k": "issue 55 (model families): Gemma 3 270M at 4k, table added by the coordinator",
-           "speculative": "issue 58 (croppable cache): speculative decoding, table added by the coordinator"}
-
-
 def test_docs_data_holds_only_what_a_published_table_or_figure_reads():
-    present = {p.name for p in DATA.iterdir() if p.is_dir()} - set(PENDING)
+    present = {p.name for p in DATA.iterdir() if p.is_dir()}
     assert present == record_folders(), (
         f"not read by any published table or figure: {sorted(present - record_folders())}; "
         f"missing: {sorted(record_folders() - present)}")

@@ -61,7 +61,8 @@ def test_generate_with_budget_and_table(folder, table_file, capsys):
 
 def test_generate_with_plan_file(folder, tmp_path, capsys):
     fp = ModelFingerprint.from_model(tiny_preset(TINY))
-    plan_path = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), fp, 88).save(tmp_path / "plan.json")
+    # priced for the cache `moend generate --plan` builds without --table (no calibrated query statistics)
+    plan_path = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), fp, 88, calibrated=False).save(tmp_path / "plan.json")
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT)
     code, out, err = _run(capsys, "--model", str(folder), "--plan", str(plan_path), "--file", str(prompt_file),
