@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import moend_fx.cache.generation as generation
 from moend_fx import get_solver
@@ -18,6 +18,7 @@ from moend_fx.common.errors import BudgetError
 from moend_fx.eviction.rope import QueryStats
 from moend_fx.models import tiny_model
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
+from tests.cache.budget_watch import BytesEveryStep, record_caches
 
 CONTEXT = 512
 NEW = 40
@@ -42,27 +43,10 @@ def _table(model) -> SensitivityTable:
     return SensitivityTable(s, grid, fp, query_stats=stats)
 
 
-class _Watch(LogitsProcessor):
-    """Reads the generate cache's measured bytes after every forward pass (the prompt's and each decode step's)."""
-
-    def __init__(self, made: list) -> None:
-        self.made, self.seen = made, []
-
-    def __call__(self, ids, scores):
-        self.seen.append(self.made[-1].nbytes().total)
-        return scores
-
 
 def _bytes_per_step(model, monkeypatch) -> list[int]:
-    made = []
-
-    class Recording(generation.MoENDCache):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(generation, "MoENDCache", Recording)
-    watch = _Watch(made)
+    made = record_caches(monkeypatch)
+    watch = BytesEveryStep(made)
     ids = torch.randint(3, 256, (1, CONTEXT - 8), generator=torch.Generator().manual_seed(1))
     model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
                    logits_processor=LogitsProcessorList([watch]))
@@ -148,20 +132,13 @@ def test_smollm2_the_two_reproductions_are_refused_and_the_priced_plans_keep_the
         prepare(model, plan, table=table, scorer="snapkv")
     assert model.config._attn_implementation != "moend"
     snap = get_solver("greedy").solve(table.priced_for("snapkv", calibrated=False), "14x", context_length=2048).plan
-    made = []
-
-    class Recording(generation.MoENDCache):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(generation, "MoENDCache", Recording)
+    made = record_caches(monkeypatch)
     try:
         for p, kw, length, new in ((plan, {}, 2048, 8), (snap, {"scorer": "snapkv"}, 1900, 32)):
             ex = make_examples("passkey", tok, length, 1, seed=3)[0]
             ids = tok(ex.prompt_full, return_tensors="pt")
             prepare(model, p, table=table, **kw)
-            watch = _Watch(made)
+            watch = BytesEveryStep(made)
             with torch.inference_mode():
                 model.generate(**ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                logits_processor=LogitsProcessorList([watch]), pad_token_id=tok.eos_token_id)

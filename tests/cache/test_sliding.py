@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.cache.moend_cache import MoENDCache
@@ -19,6 +19,7 @@ from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.memory import full_cache_bytes, plan_layer_bytes, plan_parts
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.solvers import GreedySolver
+from tests.cache.budget_watch import BytesEveryStep
 from tests.cache.sliding_models import BUILDERS, WINDOW, sliding_model
 
 FAMILIES = sorted(BUILDERS)
@@ -88,14 +89,6 @@ def test_a_keep_ratio_narrows_a_sliding_window_to_its_most_recent_tokens():
     assert [p["scorer_state"] for p in plan_parts(plan, 119)[:5]] == [0] * 5
 
 
-class _BytesEveryStep(LogitsProcessor):
-    def __init__(self, cache):
-        self.cache, self.seen = cache, []
-
-    def __call__(self, input_ids, scores):
-        self.seen.append(self.cache.nbytes().total)
-        return scores
-
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen2"])
 def test_a_solved_8x_plan_keeps_its_budget_at_every_step(family):
@@ -109,7 +102,7 @@ def test_a_solved_8x_plan_keeps_its_budget_at_every_step(family):
     prepare(model, plan, table=table)
     try:
         cache = MoENDCache(plan, rope=rope_from_model(model), query_stats=layer_query_stats(table))  # as prepare does
-        watch = _BytesEveryStep(cache)
+        watch = BytesEveryStep(cache)
         _generate(model, _ids(240, seed=4), 60, cache=cache, logits_processor=LogitsProcessorList([watch]))
     finally:
         unprepare(model)

@@ -11,9 +11,8 @@ import pytest
 import torch
 from moend_fx.passes import run_passes
 from torch._dynamo.utils import counters
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
-import moend_fx.cache.generation as generation
 from moend_fx import calibrate, get_solver
 from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.compile.backend import compile_inner
@@ -23,6 +22,7 @@ from moend_fx.models import tiny_model, uncompile
 from moend_fx.models.tiny import MHA_ONLY, TINY_CONFIGS
 from moend_fx.plan.grid import Grid
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
+from tests.cache.budget_watch import BytesEveryStep, record_caches
 
 PROMPT, NEW = 600, 16
 # a small grid keeps calibration under a second a family; quantized sides only, so every layer of the plan is one
@@ -87,14 +87,6 @@ class _Recording:
         return compile_inner(gm, example_inputs, settings)
 
 
-class _Watch(LogitsProcessor):
-    def __init__(self, made):
-        self.made, self.seen = made, []
-
-    def __call__(self, ids, scores):
-        self.seen.append(self.made[-1].nbytes().total)
-        return scores
-
 
 def _fused_layers(graphs) -> set[int]:
     return {n.meta["moend_layer"] for gm in graphs for n in gm.graph.nodes
@@ -107,15 +99,8 @@ def test_an_8x_plan_keeps_its_budget_eager_and_compiles_to_the_same_tokens(famil
     table = calibrate(model, token_ids=_ids(128, seed=1), grid=GRID)
     plan = get_solver("greedy").solve(table, "8x", context_length=PROMPT + NEW).plan
     assert any(c.evicts for c in plan.layers) and any(c.quantized for c in plan.layers)
-    made = []
-
-    class Recording(generation.MoENDCache):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(generation, "MoENDCache", Recording)
-    ids, watch = _ids(PROMPT, seed=2), _Watch(made)
+    made = record_caches(monkeypatch)
+    ids, watch = _ids(PROMPT, seed=2), BytesEveryStep(made)
     backend = _Recording()
     try:
         prepare(model, plan, table=table)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.cache.moend_cache import MoENDCache
@@ -18,6 +18,7 @@ from moend_fx.eviction.rope import rope_from_model
 from moend_fx.plan.memory import full_cache_bytes
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 from moend_fx.solvers import GreedySolver
+from tests.cache.budget_watch import BytesEveryStep
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +48,6 @@ def test_lossless_plan_gives_dynamic_cache_tokens_on_three_prompts(gemma3):
         assert held[5] == ids.shape[1] + 11 and max(held[i] for i in fp.sliding) == min(ids.shape[1] + 11, 511)
 
 
-class _BytesEveryStep(LogitsProcessor):
-    def __init__(self, cache):
-        self.cache, self.seen = cache, []
-
-    def __call__(self, input_ids, scores):
-        self.seen.append(self.cache.nbytes().total)
-        return scores
-
 
 def test_14x_plan_answers_a_passkey_at_4k_within_its_budget(gemma3):
     from moend_fx.calibration.pipeline import calibrate
@@ -71,7 +64,7 @@ def test_14x_plan_answers_a_passkey_at_4k_within_its_budget(gemma3):
     prepare(model, plan, table=table)
     try:
         cache = MoENDCache(plan, rope=rope_from_model(model), query_stats=layer_query_stats(table))  # as prepare's
-        watch = _BytesEveryStep(cache)
+        watch = BytesEveryStep(cache)
         out = _greedy(model, ids, 8, cache=cache, logits_processor=LogitsProcessorList([watch]))
     finally:
         unprepare(model)
