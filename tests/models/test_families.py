@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moend_fx.passes import run_passes
 from torch._dynamo.utils import counters
 from transformers import DynamicCache, LogitsProcessorList
 
 from moend_fx import calibrate, get_solver
 from moend_fx.cache.generation import prepare, unprepare
-from moend_fx.compile.backend import compile_inner
-from moend_fx.compile.settings import BackendSettings
 from moend_fx.eviction.rope import invert_rope, rope_from_model
 from moend_fx.models import tiny_model, uncompile
 from moend_fx.models.tiny import MHA_ONLY, TINY_CONFIGS
 from moend_fx.plan.grid import Grid
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
 from tests.cache.budget_watch import BytesEveryStep, record_caches
+from tests.compile.test_compile_generate import Recording as _Recording  # keeps every graph
 
 PROMPT, NEW = 600, 16
 # a small grid keeps calibration under a second a family; quantized sides only, so every layer of the plan is one
@@ -72,19 +70,6 @@ def test_the_lossless_plan_gives_dynamic_cache_tokens(family):
     finally:
         unprepare(model)
     assert torch.equal(got, want), family
-
-
-class _Recording:
-    """A ``moend`` backend that keeps every graph after the passes."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs, options=None, **kw):
-        settings = BackendSettings.from_options(options, **kw)
-        gm = run_passes(gm, settings)
-        self.graphs.append(gm)
-        return compile_inner(gm, example_inputs, settings)
 
 
 
