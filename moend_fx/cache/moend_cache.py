@@ -28,7 +28,8 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import BudgetMode, ReEviction
 from moend_fx.eviction.capacity import LayerBudget
 from moend_fx.eviction.policy import EvictionPolicy
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers import Scorer, build_scorer
 from moend_fx.plan.memory import keep_floor
 from moend_fx.plan.routing import LayerConfig, RoutingPlan

@@ -32,7 +32,7 @@ import contextlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,8 +40,8 @@ from moend_fx.common.errors import MoendError
 from moend_fx.common.options import QuantMode
 from moend_fx.storage.packed import Block, PackedKV, _row_major_empty, slot_positions
 
-if TYPE_CHECKING:
-    from moend_fx.cache.layer import MoENDLayer
+# A MoENDLayer (moend_fx.cache.layer), which imports this module: typed loosely here to keep the import one-way.
+MoENDLayer = Any
 
 
 

@@ -6,7 +6,8 @@ dispatcher under :data:`CAPTURE_IMPL` once, points it at the caller's function, 
 
 :class:`AttentionCapture` is the calibration hook: it computes each layer's attention with SDPA (so the forward
 pass is unchanged) and records what the sensitivity measurement needs: post-RoPE K/V, the last ``window``
-queries with their positions, and the layer's pre-RoPE query statistics (:class:`~moend_fx.eviction.rope.QueryStats`).
+queries with their positions, and the layer's pre-RoPE query statistics
+(:class:`~moend_fx.eviction.query_stats.QueryStats`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from moend_fx.common.checks import check_int
 from moend_fx.common.defaults import CALIBRATION_WINDOW
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 
 CAPTURE_IMPL = "moend_capture"
 

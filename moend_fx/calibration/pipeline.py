@@ -40,7 +40,8 @@ from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.defaults import GROUP_SIZE, RECENT_TOKENS, SINK_TOKENS
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import SensitivityMeasure
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.eviction.scorers import SCORERS, build_scorer
 from moend_fx.plan.families import check_family
 from moend_fx.plan.memory import keep_count, sliding_kept

@@ -49,7 +49,7 @@ class SensitivityTable:
     error reaches the logits (``moend_fx.calibration.gains``). Without (None), the paper's ``sum_l S[l, c_l]``.
     :attr:`loss` is the matrix every solver and report minimises or sums.
     query_stats: flat name -> array dict (see the module docstring); :meth:`layer_stats` builds the
-    :class:`~moend_fx.eviction.rope.QueryStats` of one layer for the ``trig`` scorer.
+    :class:`~moend_fx.eviction.query_stats.QueryStats` of one layer for the ``trig`` scorer.
     """
 
     S: np.ndarray
@@ -147,8 +147,8 @@ class SensitivityTable:
         return bool(self.query_stats)
 
     def layer_stats(self, layer: int) -> Any:
-        """The calibrated :class:`~moend_fx.eviction.rope.QueryStats` of ``layer`` (TableError if absent)."""
-        from moend_fx.eviction.rope import QueryStats
+        """The calibrated :class:`~moend_fx.eviction.query_stats.QueryStats` of ``layer`` (TableError if absent)."""
+        from moend_fx.eviction.query_stats import QueryStats
 
         prefix = _stats_key(layer, "")
         if _stats_key(layer, "sum") not in self.query_stats:

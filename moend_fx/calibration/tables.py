@@ -82,7 +82,7 @@ def table_context_length(table: SensitivityTable, given: int | None = None) -> i
 
 
 def layer_query_stats(table: SensitivityTable) -> list[Any] | None:
-    """The calibrated per-layer :class:`~moend_fx.eviction.rope.QueryStats` of ``table`` (None if it has none),
+    """The calibrated per-layer :class:`~moend_fx.eviction.query_stats.QueryStats` of ``table`` (None if it has none),
     in the form a ``MoENDCache`` takes as ``query_stats``."""
     if not table.has_stats():
         return None

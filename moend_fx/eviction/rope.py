@@ -202,12 +202,3 @@ def to_complex(x: torch.Tensor, spec: RopeSpec | None = None) -> torch.Tensor:
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     return torch.complex(x[..., :h], x[..., h:])
 
-
-def __getattr__(name: str) -> Any:
-    """``QueryStats`` lives in :mod:`moend_fx.eviction.query_stats` (it builds on this module); still importable
-    from here, where it used to be."""
-    if name == "QueryStats":
-        from moend_fx.eviction.query_stats import QueryStats
-
-        return QueryStats
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

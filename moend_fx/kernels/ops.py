@@ -141,7 +141,10 @@ def _cpu_impl(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_
 
 
 def _triton_impl(*args, num_splits: int = 0) -> torch.Tensor:
-    """The Triton decode kernel (arguments as the op's); imported on first use, so CPU-only runs never load it."""
+    """The Triton decode kernel (arguments as the op's); imported on first use, so CPU-only runs never load it.
+    Groups under 16 tokens (narrower than a tensor-core dot's K) take the reference."""
+    if args[11] < 16:  # group_size
+        return reference_packed_attention(*args).to(args[0].dtype)
     from moend_fx.kernels import triton_decode
 
     return triton_decode.packed_attention_triton(*args, num_splits=num_splits)

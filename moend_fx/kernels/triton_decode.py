@@ -233,11 +233,9 @@ def packed_attention_triton(
     b, h, l, d = q.shape
     if d & (d - 1) or d < 16:
         raise MoendError(f"the Triton kernel needs a power-of-two head_dim >= 16; got {d} (use kernel='reference')")
-    if group_size < 16:
-        from moend_fx.kernels.ops import reference_packed_attention
-
-        return reference_packed_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_res, v_res,
-                                          k_bits, v_bits, group_size, scale, causal, mask).to(q.dtype)
+    if group_size < 16:  # the op's Triton implementation (kernels/ops.py) takes the reference for these
+        raise MoendError(f"the Triton kernel needs group_size >= 16 (a dot's K); got {group_size} "
+                         "(use kernel='reference')")
     hkv, r, p = k_res.shape[1], k_res.shape[2], k_packed.shape[2]
     rows = (h // hkv) * l
     block_n, block_m, n_mblk, ns, per_split = _launch_shape(p, b * hkv, rows, group_size, block_m, num_splits,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moend_fx.cache.moend_cache import MoENDCache
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.eviction.scorers import SCORERS
 from moend_fx.models import tiny_model
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan

@@ -14,7 +14,8 @@ from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.errors import MoendError, PlanError
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.models import tiny_model
 from moend_fx.plan.memory import plan_bytes
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan

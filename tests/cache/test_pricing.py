@@ -15,7 +15,7 @@ from moend_fx.cache.generation import prepare, unprepare
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.errors import BudgetError
-from moend_fx.eviction.rope import QueryStats
+from moend_fx.eviction.query_stats import QueryStats
 from moend_fx.models import tiny_model
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 from tests.cache.budget_watch import BytesEveryStep, record_caches

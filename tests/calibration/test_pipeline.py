@@ -19,7 +19,8 @@ from moend_fx.calibration.pipeline import (
 )
 from moend_fx.calibration.settings import OPTIONS_BEFORE_RECORDED
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.eviction.scorers import get_scorer
 from moend_fx.models import tiny_model
 from moend_fx.plan.memory import keep_count

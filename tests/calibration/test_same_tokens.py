@@ -10,7 +10,8 @@ from moend_fx.cache.moend_cache import MoENDCache
 from moend_fx.calibration.capture import AttentionCapture
 from moend_fx.calibration.prefill import kept_tokens
 from moend_fx.common.defaults import CALIBRATION_WINDOW, RECENT_TOKENS, SINK_TOKENS
-from moend_fx.eviction.rope import QueryStats, rope_from_model
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import rope_from_model
 from moend_fx.eviction.scorers import build_scorer
 from moend_fx.models import tiny_model
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan

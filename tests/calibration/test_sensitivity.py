@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.stats_arrays import stats_to_arrays
 from moend_fx.common.errors import MoendError, TableError
-from moend_fx.eviction.rope import QueryStats
+from moend_fx.eviction.query_stats import QueryStats
 from moend_fx.plan.memory import plan_layer_bytes
 from moend_fx.plan.routing import Grid, LayerConfig, ModelFingerprint, RoutingPlan
 

@@ -7,7 +7,7 @@ import torch
 
 from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.stats_arrays import stats_to_arrays
-from moend_fx.eviction.rope import QueryStats
+from moend_fx.eviction.query_stats import QueryStats
 
 
 def with_stats(table: SensitivityTable) -> SensitivityTable:

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from moend_fx.eviction.evictor import Evictor
 from moend_fx.eviction.held import real_row_scores
 from moend_fx.eviction.policy import EvictionPolicy
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers import get_scorer
 from moend_fx.plan.routing import LayerConfig
 from tests.eviction.scorers.helpers import randn

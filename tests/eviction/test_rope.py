@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec, apply_rope, invert_rope, rope_from_model, to_complex
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec, apply_rope, invert_rope, rope_from_model, to_complex
 
 FAST = settings(max_examples=25, deadline=None)
 

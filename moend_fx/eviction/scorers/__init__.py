@@ -28,7 +28,8 @@ from moend_fx.common.checks import check_choice
 from moend_fx.common.defaults import QUERY_WINDOW
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import ScorerName, Setting
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers.base import KeysOnlyScorer, Scorer
 from moend_fx.eviction.scorers.h2o import H2OScorer
 from moend_fx.eviction.scorers.keynorm import KeyNormScorer

@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 import torch
 
 from moend_fx.common.options import Setting
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers.inputs import as_key_positions, check_keys
 
 Tensor = torch.Tensor

@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 from moend_fx.common.checks import check_choice, check_int
 from moend_fx.common.options import HeadReduce, Pooling, ScorerName, Setting
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.h2o import check_attention_options, column_sums
 from moend_fx.eviction.scorers.pooling import check_pooling, pool_scores

@@ -11,7 +11,8 @@ import torch
 from moend_fx.common.checks import check_choice
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import HeadReduce, ScoreCombine, ScorerName, Setting
-from moend_fx.eviction.rope import QueryStats, RopeSpec
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.snapkv import SnapKVScorer
 from moend_fx.eviction.scorers.trig import TrigScorer, standardise

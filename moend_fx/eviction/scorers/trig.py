@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import Pooling, ScorerName
-from moend_fx.eviction.rope import QueryStats, RopeSpec, invert_rope, to_complex
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec, invert_rope, to_complex
 from moend_fx.eviction.scorers.base import Scorer, Tensor
 from moend_fx.eviction.scorers.inputs import as_key_positions, as_query_positions, check_keys, check_queries
 from moend_fx.eviction.scorers.pooling import check_pooling, pool_scores
@@ -86,7 +87,7 @@ class TrigScorer(Scorer):
     the evaluation in docs/results.md is the real test). ``pooling="none", norm_weight=0`` gives the plain
     TriAttention-style score (with ``value_weight=0, diversity_weight=0``).
 
-    Stats: ``stats`` (a calibrated :class:`~moend_fx.eviction.rope.QueryStats` of this layer, [H] heads) or, if
+    Stats: ``stats`` (a calibrated :class:`~moend_fx.eviction.query_stats.QueryStats` of this layer, [H] heads) or, if
     None, estimated from ``queries`` un-rotated with ``query_positions`` (per batch row): only then does the
     scorer read queries.
     """

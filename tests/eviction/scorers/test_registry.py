@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from moend_fx.common.defaults import QUERY_WINDOW
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec, invert_rope, to_complex
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec, invert_rope, to_complex
 from moend_fx.eviction.scorers import SCORERS, Scorer, SnapKVScorer, build_scorer, default_options, get_scorer
 from moend_fx.eviction.selection import evict, select_tokens
 from moend_fx.plan.memory import keep_count

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec, apply_rope
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec, apply_rope
 from moend_fx.eviction.scorers import get_scorer
 from moend_fx.eviction.scorers.trig import standardise
 from moend_fx.eviction.selection import select_tokens

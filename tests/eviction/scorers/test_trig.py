@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moend_fx.common.errors import MoendError
-from moend_fx.eviction.rope import QueryStats, RopeSpec, apply_rope, to_complex
+from moend_fx.eviction.query_stats import QueryStats
+from moend_fx.eviction.rope import RopeSpec, apply_rope, to_complex
 from moend_fx.eviction.scorers import get_scorer
 from tests.eviction.scorers.helpers import SHAPES, build, positions, randn, trig_brute
 
