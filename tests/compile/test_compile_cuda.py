@@ -25,7 +25,8 @@ def test_cuda_compiled_generate_matches_eager_and_fuses_every_quantized_layer():
     want, want_cache, got, got_cache, graphs = _eager_then_compiled(
         model, plan, _ids(1, 80).to("cuda"), 40, inner="inductor", scorer="keynorm", evict_every=16,
         budget_mode="ratio")
-    # eager and compiled decode steps both attend with the Triton kernel (fp32 dots): same tokens
+    # eager and compiled decode steps both call the same Triton kernel (fp16 operands, fp32 accumulation) on the
+    # same inputs: same tokens
     assert torch.equal(got, want)
     assert len(graphs) == 1
     assert sorted(n.meta["moend_layer"] for n in _packed_nodes(graphs[0])) == [0, 2]
@@ -51,6 +52,9 @@ def test_cuda_eager_decode_matches_the_cpu_model():
     plan = _plan(model, CONFIGS)
     cpu = _scores(model, _ids(2, 80), plan)
     gpu = _scores(model.to("cuda"), _ids(2, 80).to("cuda"), plan)
-    # fp32 model on both; the CPU kernel rounds q*s to int16 per K group (moend_fx.kernels.precision) and cuBLAS
-    # and MKL sum in other orders: logits of this tiny model (|logit| < 1) agree to ~1e-4
-    torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=1e-3)
+    # fp32 model on both, but the Triton kernel rounds q*s, each dequantized k and v and each probability to fp16
+    # (2^-11 relative, docs/kernels.md "Precision"), the CPU kernel rounds q*s to int16 per K group
+    # (moend_fx.kernels.precision), and cuBLAS and MKL sum in other orders. This tiny model's |v| < ~2 and
+    # |logit| < 1: each attention output moves by at most ~3 x 2^-11 x 2 = 3e-3, hence 5e-3 (the bound is
+    # reasoned, not yet measured on a GPU: the fp16 kernel of 2026-12-07 has not met one)
+    torch.testing.assert_close(gpu, cpu, atol=5e-3, rtol=1e-3)
