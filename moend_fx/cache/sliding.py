@@ -29,7 +29,7 @@ for any evicting layer (``moend_fx.cache.masks``), and the memory model counts t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -137,10 +137,23 @@ class SlidingLayer(MoENDLayer):
 
 def _drop_oldest(p: PackedKV, n: int) -> PackedKV:
     """``p`` without its oldest ``n`` tokens. Every tensor left to cut has the token axis at dim 2 with one entry
-    per token (raw K, packed or residual; per-token V codes, scales and zeros; positions): a slice is exact."""
-    if p.num_packed and p.config.k_bits < 16:
+    per token (raw K, packed or residual; per-token V codes, scales and zeros; positions), so a cut is exact.
+
+    With nothing packed every tensor holds the same tokens and loses its first ``n``. A raw (16-bit) K with packed
+    tokens is split in two (the packed part, whole groups, and the residual window, oldest first) beside a V packed
+    on arrival (every token in its packed block): K's raw tokens lose their first ``n`` and are split again into
+    whole groups and a residual window (the kernels read a packed part of whole groups), V and the positions lose
+    their first ``n``."""
+    cut = lambda t: t[:, :, n:]  # noqa: E731
+    if not p.num_packed:
+        return p.map(cut)
+    if p.config.k_bits < 16 or not p.v_on_arrival:
         raise MoendError(f"cannot cut {n} tokens out of a layer's {p.num_groups} packed K groups")
-    return p.map(lambda t: t[:, :, n:])
+    k = torch.cat([p.k_packed, p.k_res], dim=2)[:, :, n:]
+    v_packed = cut(p.v_packed) if isinstance(p.v_packed, torch.Tensor) else p.v_packed.map(cut)
+    left = replace(p, k_packed=k[:, :, :0], v_packed=v_packed)
+    return left._flushed(k, p.v_res, None if p.positions is None else cut(p.positions),
+                         k.shape[2] // p.group_size * p.group_size)
 
 
 def sliding_layer(plan: RoutingPlan, layer: int, *, budget_mode: str, attention_fn: PackedAttention | None,

@@ -1,10 +1,12 @@
 """The methods an evaluation compares, and how each turns one full-precision prefill into its own cache.
 
 Every example is prefilled once at full precision (SDPA); :class:`PrefillState` keeps that prefill's K/V
-(per layer [B, Hkv, T, D], post-RoPE) and the last ``W`` post-RoPE queries of each layer (for scorers
+(per layer [B, Hkv, T, D], post-RoPE; every layer's T tokens, sliding-window layers included) and the last ``W`` post-RoPE queries of each layer (for scorers
 that estimate query statistics). Each method then builds its cache from the *same* state:
 
-* ``full``: a ``DynamicCache`` holding the K/V as they are (the model's dtype).
+* ``full``: a ``DynamicCache`` holding the K/V as they are (the model's dtype); built from the model's config, so
+  on a sliding-window hybrid each sliding layer keeps its last ``window - 1`` tokens, as after a plain prefill (the
+  cache a user holds, whose 16-bit size is the ratio base: ``moend_fx.plan.memory.full_cache_bytes``).
 * ``hf_quant4`` / ``hf_fp8``: transformers' ``QuantizedCache`` (quanto 4-bit, group 64; fp8 per tensor),
   fed the prefill K/V exactly as its own ``update`` would be during a prefill. ``hf_quant4`` needs
   optimum-quanto; when it is absent the method is reported unavailable (never silently dropped).

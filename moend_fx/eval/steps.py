@@ -101,16 +101,21 @@ def model_device(model: Any) -> torch.device:
 
 @torch.inference_mode()
 def prefill(model: Any, ids: Sequence[int], *, window: int = 32, base: PrefillState | None = None) -> PrefillState:
-    """Full-precision prefill of ``ids`` (after ``base``'s tokens, if given) into a new :class:`PrefillState`."""
+    """Full-precision prefill of ``ids`` (after ``base``'s tokens, if given) into a new :class:`PrefillState`.
+
+    Every layer's K/V is kept whole, sliding-window layers included: the prefill runs through a cache of plain
+    ``DynamicLayer``s (no config), while the model still builds each layer's mask from its own config (a sliding
+    layer's queries see only their window), so the attention is the model's and each method then cuts its own
+    cache from the same tokens (the full method's sliding layers keep their window, as ``DynamicCache(config)``
+    would: :func:`moend_fx.eval.methods.build_cache`)."""
     from transformers import DynamicCache
 
     global _RECORDER
     if not ids:
         raise MoendError("nothing to prefill: the token list is empty")
-    cache = DynamicCache(config=model.config)
-    if base is not None:
-        for layer, (k, v) in zip(cache.layers, base.kv):
-            layer.update(k, v)
+    # no config: a DynamicCache(config=...) would keep only the window on a sliding layer, and the layers of one
+    # state must all hold the same tokens (MoENDCache.from_prefill, build_cache)
+    cache = DynamicCache(ddp_cache_data=base.kv) if base is not None else DynamicCache()
     n_layers = model.config.num_hidden_layers
     _RECORDER = QueryRecorder(n_layers, window, base.queries if base is not None else None)
     try:
@@ -121,10 +126,6 @@ def prefill(model: Any, ids: Sequence[int], *, window: int = 32, base: PrefillSt
     finally:
         _RECORDER = None
     kv = [(layer.keys, layer.values) for layer in cache.layers]
-    if len({k.shape[2] for k, _ in kv}) > 1:  # a sliding layer keeps its window: the copies below would misplace it
-        raise MoendError("the evaluation's one-prefill pipeline does not serve sliding-window models yet (their "
-                         "sliding layers hold only their window after the prefill); measure them through "
-                         "moend_fx.prepare and generate (docs/models.md)")
     return PrefillState(kv, queries, kv[0][0].shape[2])
 
 

@@ -40,18 +40,30 @@ def interpolated_loss(table: SensitivityTable, config: LayerConfig) -> float:
     return float(sum(np.interp(config.keep_ratio, keeps[order], row) for row in loss))
 
 
+def uniform_bytes(table: SensitivityTable, config: LayerConfig, context_length: int) -> int:
+    """Bytes of ``config`` on every layer at ``context_length`` tokens, each layer priced as the table's byte
+    matrix prices it (a sliding-window layer by its window: ``SensitivityTable.config_bytes``)."""
+    fp = table.fingerprint
+    full = table.config_bytes(config, context_length)
+    sliding = table.config_bytes(config, context_length, layer=fp.sliding[0]) if fp.sliding else 0
+    return sum(sliding if fp.is_sliding(i) else full for i in range(table.num_layers))
+
+
 def largest_keep(table: SensitivityTable, config: LayerConfig, budget_bytes: int, context_length: int) -> LayerConfig:
     """``config`` with the largest keep ratio whose plan (``config`` on every layer) fits ``budget_bytes`` at
     ``context_length`` tokens, never below ``config``'s own keep. The ratio is ``n / context_length`` for a
     whole token count ``n``, so the cache keeps exactly ``n`` tokens. Bytes are not monotonic in ``n`` (a full
     group packs, a partial one stays 16-bit), so every count is priced, from the top down."""
-    layers = table.num_layers
     # the table prices every config with the default kept-token floor, and so do the plans solved on it
     start = keep_count(context_length, config.keep_ratio, DEFAULT_KEEP_FLOOR)
-    for n in range(context_length, start - 1, -1):
+    for n in range(context_length, start, -1):
         filled = LayerConfig(n / context_length, config.k_bits, config.v_bits)
-        if layers * table.config_bytes(filled, context_length) <= budget_bytes:
+        if uniform_bytes(table, filled, context_length) <= budget_bytes:
             return filled
+    # ``config`` itself (its keep count ``start``): on a sliding layer its grid ratio can keep fewer tokens of the
+    # window than start / context_length would
+    if uniform_bytes(table, config, context_length) <= budget_bytes:
+        return config
     raise PlanError(f"{config.name} does not fit {budget_bytes} bytes at {context_length} tokens; fill a plan "
                     "that fits its budget")
 
@@ -65,7 +77,7 @@ def fill_keep(result: SolveResult, table: SensitivityTable) -> SolveResult:
         raise PlanError(f"fill_keep needs a uniform plan (one config on every layer); {plan.solver!r} gave "
                         f"{len(configs)} configs")
     filled = largest_keep(table, plan.layers[0], result.budget.bytes, plan.context_length)
-    used = table.num_layers * table.config_bytes(filled, plan.context_length)
+    used = uniform_bytes(table, filled, plan.context_length)
     loss = interpolated_loss(table, filled)
     new = dataclasses.replace(
         plan, layers=(filled,) * plan.num_layers, grid=Grid((filled.keep_ratio,), (filled.k_bits,), (filled.v_bits,)),

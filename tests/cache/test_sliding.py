@@ -109,10 +109,3 @@ def test_a_solved_8x_plan_keeps_its_budget_at_every_step(family):
     assert len(watch.seen) == 60 and max(watch.seen) <= plan.budget_bytes
     assert cache.nbytes() == cache.model_bytes()
 
-
-def test_the_one_prefill_evaluation_refuses_a_hybrid_clearly():
-    from moend_fx.common.errors import MoendError
-    from moend_fx.eval.steps import prefill
-
-    with pytest.raises(MoendError, match="sliding-window models"):
-        prefill(sliding_model("gemma3_text"), _ids(2 * WINDOW)[0].tolist())
