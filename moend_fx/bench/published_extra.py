@@ -33,20 +33,29 @@ def gemma_table(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+_METHODS = ("full", "moend", "self-spec")
+
+
 def speculative_table(folder: Path) -> str:
     """Decode tokens/s of the full cache, the compressed cache and self-speculation (draft over the compressed
-    cache, verify over the full one), per context, with the acceptance rate and whether the tokens are the full
-    cache's."""
-    path = folder / "speculative.json"
-    if not path.is_file():
-        raise MoendError(f"published record {path} is missing: a published table is rendered from it")
-    rows = json.loads(path.read_text())["rows"]
-    lines = ["| context | batch | method | tokens/s | x full cache | acceptance | same tokens as the full cache |",
+    cache, verify over the full one), per context and batch, from every ``speculative*.json`` in ``folder`` (one
+    per ``moend bench speculative`` run), with the acceptance (the batch's; the rows' own in brackets) and
+    whether every row's tokens are the full cache's."""
+    paths = sorted(folder.glob("speculative*.json"))
+    if not paths:
+        raise MoendError(f"published records {folder}/speculative*.json are missing: a published table is rendered "
+                         "from them")
+    rows = [r for p in paths for r in json.loads(p.read_text())["rows"]]
+    rows.sort(key=lambda r: (r["context"], r.get("batch", 1), _METHODS.index(r["method"])))
+    lines = ["| context | batch | method | tokens/s | x full cache | acceptance (rows alone) | "
+             "same tokens as the full cache |",
              "| ---: | ---: | --- | ---: | ---: | ---: | --- |"]
     for r in rows:
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
+        if r.get("row_acceptance") is not None:
+            acc += f" ({r['row_acceptance']:.2f})"
         same = "" if "same_as_full" not in r else (
             "yes" if r["same_as_full"] else f"no (from token {r['first_difference']})")
-        lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.2f} | "
+        lines.append(f"| {r['context']} | {r.get('batch', 1)} | {r['method']} | {r['tokens_per_s']:.2f} | "
                      f"{r['speed_vs_full']:.2f} | {acc} | {same} |")
     return "\n".join(lines) + "\n"

@@ -20,9 +20,17 @@ def add_parser(sub: Any, common: Any) -> None:
                        "vs plain greedy decoding: tokens/s and acceptance")
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or HF folder")
     p.add_argument("--contexts", default=",".join(map(str, d.contexts)), help="comma list of prompt lengths")
+    p.add_argument("--batches", default=",".join(map(str, d.batches)),
+                   help="comma list of batch sizes (rows decoded together; default %(default)s)")
+    p.add_argument("--own-tokens", type=positive_int, default=d.own_tokens,
+                   help="tokens at the end of each row's prompt of its own (the rest is shared; default %(default)s)")
+    p.add_argument("--lock", default=None, help="a lock file each (context, batch)'s timed decodes hold (flock), "
+                   "the prefills not (start the run under nice), e.g. /tmp/moend_bench.lock")
     p.add_argument("--new-tokens", type=positive_int, default=d.new_tokens, help="tokens decoded (default %(default)s)")
     p.add_argument("--draft-tokens", type=positive_int, default=d.draft_tokens, help="draft tokens per round")
     p.add_argument("--budget", default=d.budget, help="budget solved on the model's table (default %(default)s)")
+    p.add_argument("--name", default="speculative", help="record file names under --out: NAME.json, NAME.md "
+                   "(one per run, e.g. speculative-16384; the published table reads every speculative*.json)")
     p.add_argument("--table", default=None, help="sensitivity table (default: the model's cached one)")
     common(p, cmd_speculative)
 
@@ -37,18 +45,19 @@ def cmd_speculative(args: argparse.Namespace) -> int:
     from moend_fx.models import load_model
 
     settings = SpeculativeBenchSettings(contexts=tuple(int_list(args.contexts, "--contexts", example="4096,8192")),
+                                        batches=tuple(int_list(args.batches, "--batches", example="1,8")),
                                         new_tokens=args.new_tokens, draft_tokens=args.draft_tokens,
-                                        budget=args.budget)
+                                        budget=args.budget, own_tokens=args.own_tokens)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or all_cores())
     try:
         model, tokenizer = load_model(args.model)
         cached = default_table_path(args.model)
         table = load_table(args.table or str(cached)) if args.table or cached.is_file() else None
-        result = bench_speculative(model, tokenizer, settings, table=table)
+        result = bench_speculative(model, tokenizer, settings, table=table, lock=args.lock)
     finally:
         torch.set_num_threads(threads)
     print(markdown_table(result))
-    for kind, path in write_results(result, Path(args.out), command_line(args)).items():
+    for kind, path in write_results(result, Path(args.out), command_line(args), args.name).items():
         print(f"{kind}: {path}")
     return 0
