@@ -198,10 +198,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(result: dict[str, Any], out: Path, command: str, name: str = "speculative") -> dict[str, str]:
-    """``name``.json and ``name``.md (with the command that made them) under ``out``."""
+def write_results(result: dict[str, Any], out: Path, command: str, name: str = "speculative",
+                  markdown: Callable[[dict[str, Any]], str] = markdown_table) -> dict[str, str]:
+    """``name``.json and ``name``.md (``markdown`` of it, with the command that made them) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / f"{name}.json", out / f"{name}.md"
     atomic_write_text(js, json.dumps({**result, "command": command}, indent=1) + "\n")
-    atomic_write_text(md, f"`{command}`\n\n" + markdown_table(result))
+    atomic_write_text(md, f"`{command}`\n\n" + markdown(result))
     return {"json": str(js), "markdown": str(md)}

@@ -31,8 +31,24 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--budget", default=d.budget, help="budget solved on the model's table (default %(default)s)")
     p.add_argument("--name", default="speculative", help="record file names under --out: NAME.json, NAME.md "
                    "(one per run, e.g. speculative-16384; the published table reads every speculative*.json)")
+    p.add_argument("--ties", action="store_true", help="instead: whether assisted generation and prompt lookup on a "
+                   "prepared model give plain greedy's tokens, and how near a tie each difference is "
+                   "(moend_fx.bench.speculative_ties; --contexts are the prompt lengths)")
+    p.add_argument("--plan-context", type=positive_int, default=2048, help="--ties: the plan's context length")
+    p.add_argument("--reserve", type=int, default=0, help="--ties: MoENDCache(reserve=...) (default %(default)s)")
     p.add_argument("--table", default=None, help="sensitivity table (default: the model's cached one)")
     common(p, cmd_speculative)
+
+
+def _ties(args: argparse.Namespace, model: Any, tokenizer: Any, table: Any) -> dict[str, Any]:
+    from moend_fx.bench.speculative_ties import TieSettings, bench_ties
+    from moend_fx.models import load_model
+
+    draft, _ = load_model(args.model)  # the unprepared model as the assistant: a second copy of the weights
+    settings = TieSettings(lengths=tuple(int_list(args.contexts, "--contexts", example="1024,2000")),
+                           new_tokens=args.new_tokens, budget=args.budget, plan_context=args.plan_context,
+                           reserve=args.reserve, assistant_tokens=args.draft_tokens)
+    return bench_ties(model, draft, tokenizer, settings, table=table)
 
 
 def cmd_speculative(args: argparse.Namespace) -> int:
@@ -54,10 +70,17 @@ def cmd_speculative(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model)
         cached = default_table_path(args.model)
         table = load_table(args.table or str(cached)) if args.table or cached.is_file() else None
-        result = bench_speculative(model, tokenizer, settings, table=table, lock=args.lock)
+        if args.ties:
+            from moend_fx.bench.speculative_ties import ties_markdown
+
+            result, markdown = _ties(args, model, tokenizer, table), ties_markdown
+        else:
+            result = bench_speculative(model, tokenizer, settings, table=table, lock=args.lock)
+            markdown = markdown_table
     finally:
         torch.set_num_threads(threads)
-    print(markdown_table(result))
-    for kind, path in write_results(result, Path(args.out), command_line(args), args.name).items():
+    print(markdown(result))
+    out, name = Path(args.out), "ties" if args.ties and args.name == "speculative" else args.name
+    for kind, path in write_results(result, out, command_line(args), name, markdown).items():
         print(f"{kind}: {path}")
     return 0
