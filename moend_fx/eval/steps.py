@@ -62,7 +62,38 @@ def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     records the queries of a prefill when a :class:`QueryRecorder` is active. query: [B, H, L, D]."""
     if _RECORDER is not None:
         _RECORDER.record(module.layer_idx, query)
+    if "moend_layer" not in kwargs and attention_mask is not None and query.shape[2] > BAND_ROWS:
+        return banded_attention(module, query, key, value, attention_mask, **kwargs)
     return moend_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+# Query rows per block of :func:`banded_attention`.
+BAND_ROWS = 512
+
+
+def banded_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA of query: [B, H, L, D] over key, value: [B, Hkv, S, D] under the bool mask [B, 1, L, S] (True = may
+    attend), :data:`BAND_ROWS` query rows at a time, each block over only the key columns its rows may attend
+    (from the first to the last True column of the block's mask rows). A column no row of the block may attend
+    adds exp(-inf) = 0 to each row's softmax, so leaving it out changes nothing but the order of the sums; what it
+    saves is a sliding layer's prefill: a 16k-token prompt's window of 512 makes each block's span ~1k columns
+    instead of 16k (the dense mask SDPA's math path runs over every column otherwise). Returns ([B, L, H, D], None)
+    as ``moend_attention``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return moend_attention(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    n_q = query.shape[2]
+    for r0 in range(0, n_q, BAND_ROWS):
+        rows = attention_mask[:, :, r0:r0 + BAND_ROWS]
+        cols = rows.any(dim=2).any(dim=1).any(dim=0).nonzero()  # every column some row of the block may attend
+        c0, c1 = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, key.shape[2])
+        out, _ = sdpa_attention_forward(module, query[:, :, r0:r0 + BAND_ROWS], key[:, :, c0:c1], value[:, :, c0:c1],
+                                        rows[..., c0:c1], **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
 
 
 def register_eval_attention() -> None:

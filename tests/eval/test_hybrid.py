@@ -133,3 +133,22 @@ def test_every_budgeted_cache_holds_its_budget_at_every_step(model, table, tmp_p
             assert r["peak_bytes"] <= r["budget_bytes"], r
         else:  # the full hybrid cache in fp32: twice the 16-bit one after the prompt, then the suffix's tokens
             assert r["measured_bytes"] == 2 * r["full16_bytes"]
+
+
+def test_the_banded_prefill_attention_equals_the_dense_one(model, example, monkeypatch):
+    import moend_fx.eval.steps as steps
+
+    ctx, _ = _ids(example, "query_aware")
+    dense = prefill(model, ctx)
+    monkeypatch.setattr(steps, "BAND_ROWS", 40)  # rows > 40: every sliding layer's prefill runs in bands
+    calls = []
+    inner = steps.banded_attention
+    monkeypatch.setattr(steps, "banded_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    banded = prefill(model, ctx)
+    assert len(calls) >= 5  # the five sliding layers at least (a full layer's mask may be None: flash SDPA)
+    for (k1, v1), (k2, v2), q1, q2 in zip(dense.kv, banded.kv, dense.queries, banded.queries):
+        # the columns a band leaves out are masked for all its rows (exp(-inf) = 0): only the sums' order differs
+        torch.testing.assert_close(k2, k1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(q2, q1, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(dense.kv[-1][0], torch.zeros_like(dense.kv[-1][0]))
