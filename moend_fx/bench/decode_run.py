@@ -126,7 +126,9 @@ def run_one(model: Any, m: DecodeMethod, length: int, settings: DecodeBenchSetti
     t0 = time.perf_counter()
     # The uncompiled forward for the prefill: nn.Module.compile hooks __call__ only, and a compiled
     # 8k-token prefill graph is not what this benchmark measures.
-    out = model.forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    step = settings.prefill_chunk or ids.shape[1]
+    for chunk in ids.split(step, dim=1):  # generate's chunked prefill: each chunk through the cache in turn
+        out = model.forward(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
     tok = out.logits[:, -1:].argmax(-1)
     del out

@@ -35,7 +35,12 @@ class DecodeBenchSettings:
     room a layer leaves when it evicts (``min(evict_every, 32)`` tokens, so ``evict_every=1`` re-evicts at every
     step once the cap is reached) and what a decode-time re-eviction drops (whole ``groups`` or single
     ``tokens``). The measured steps then include that re-eviction work: compare ``ms_mean``, which counts it
-    at its true rate, not only the median."""
+    at its true rate, not only the median.
+
+    prefill_chunk: 0 (one forward over the context), or tokens per prefill forward, each chunk fed through the
+    cache before the next, as ``generate``'s chunked prefill does (``moend_fx.prepare`` chunks MoENDCache prompts
+    above 4096 tokens): what a long hybrid prompt needs, whose one-pass SDPA runs every sliding layer over a dense
+    [T, T] mask. Decode steps are measured after it either way."""
 
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     steps: int = 16
@@ -52,6 +57,7 @@ class DecodeBenchSettings:
     memory_cap: str | None = None
     evict_every: int = EVICT_EVERY
     reevict: ReEviction = ReEviction.GROUPS
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", check_names("methods", "method", self.methods, METHODS, unique=True))
@@ -69,6 +75,7 @@ class DecodeBenchSettings:
         object.__setattr__(self, "kernel", check_choice("kernel", self.kernel, Kernel))
         object.__setattr__(self, "inner", check_choice("inner", self.inner, InnerCompiler))
         check_int("evict_every", self.evict_every)
+        check_int("prefill_chunk", self.prefill_chunk, minimum=0)
         object.__setattr__(self, "reevict", check_choice("reevict", self.reevict, ReEviction))
         self._check_batches()
         if self.memory_cap is not None:

@@ -114,6 +114,9 @@ def register(subparsers: Any) -> None:
                         "and re-evict at every step once it is reached; default %(default)s)")
     d.add_argument("--reevict", default=str(dec.reevict), choices=names(ReEviction),
                    help="MoENDCache rows: what a decode-time re-eviction drops (default %(default)s)")
+    d.add_argument("--prefill-chunk", type=int, default=dec.prefill_chunk,
+                   help="tokens per prefill forward, each chunk fed through the cache before the next (0: one "
+                        "forward; default %(default)s); a long sliding-window hybrid's one-pass prefill is slow")
     d.add_argument("--compile-times", action="store_true",
                    help="also the cold and warm compile time of each compiled method's decode graph, each in a "
                         "fresh process with a new TORCHINDUCTOR_CACHE_DIR, at the shortest --lengths")

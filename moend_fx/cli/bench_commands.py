@@ -97,7 +97,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                    uniform=uniform, bandwidth_gbs=args.bandwidth, seed=args.seed,
                                    kernel=args.kernel, inner=args.inner, batches=parse_batches(args.batches),
                                    batch_lengths=batch_lengths, memory_cap=args.memory_cap.strip() or None,
-                                   evict_every=args.evict_every, reevict=args.reevict)
+                                   evict_every=args.evict_every, reevict=args.reevict,
+                                   prefill_chunk=args.prefill_chunk)
     compiled = _compiled_methods(args, settings)
     table = args.table
     if table is None and args.plan is None:

@@ -120,6 +120,24 @@ def test_eviction_options_reach_the_moend_caches(model):
     assert rows[1]["cache_bytes"] > rows[128]["cache_bytes"]
 
 
+def test_a_chunked_prefill_leaves_the_one_pass_cache(model, monkeypatch):
+    seen = []
+    inner = decode_run.decode_steps
+    monkeypatch.setattr(decode_run, "decode_steps", lambda m, cache, tok, *a, **k: seen.append(
+        (tok.clone(), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])) or inner(m, cache, tok,
+                                                                                                     *a, **k))
+    for chunk in (0, 24):  # 64 tokens in one forward, then in chunks of 24, 24 and 16
+        D.bench_decode(model, D.DecodeBenchSettings(methods=("full_eager",), lengths=(64,), steps=1, warmup=1,
+                                                    prefill_chunk=chunk), progress=False)
+    (tok1, kv1), (tok2, kv2) = seen[0], seen[2]  # each run's first decode_steps call: right after the prefill
+    assert torch.equal(tok1, tok2)
+    for (k1, v1), (k2, v2) in zip(kv1, kv2):
+        # the chunks attend to the same keys under the same causal mask; only the sums' order differs (fp32)
+        assert k1.shape == k2.shape and k1.shape[2] > 48
+        torch.testing.assert_close(k2, k1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
+
+
 def test_results_without_a_mean_render_as_published(result):
     old = {**result, "rows": [{k: v for k, v in r.items() if k != "ms_mean"} for r in result["rows"]]}
     md = D.markdown_table(old)
@@ -135,6 +153,7 @@ def test_results_without_a_mean_render_as_published(result):
     (dict(bandwidth_gbs=0), ["bandwidth_gbs=0"]),
     (dict(evict_every=0), ["evict_every=0"]),
     (dict(reevict="bytes"), ["reevict", "groups", "tokens"]),
+    (dict(prefill_chunk=-1), ["prefill_chunk=-1"]),
 ])
 def test_bad_settings(kw, words):
     with pytest.raises(MoendError) as e:
