@@ -101,6 +101,21 @@ def example_contexts(model: Any, tokenizer: Any, ex: Example, settings: Iterable
         yield Setting.QUERY_AWARE, full, prefix_ids, prefill_s + time.perf_counter() - t0
 
 
+def spread_order(n: int) -> list[int]:
+    """The indices 0 .. n-1 in an order whose every prefix spreads over the range: 0, n-1, then the unused index
+    nearest each point of the van der Corput sequence (1/2, 1/4, 3/4, 1/8, 5/8, ...) of [0, n-1]."""
+    order = list(dict.fromkeys([0, n - 1]))[:n]
+    k = 1
+    while len(order) < n:
+        x, f, i = 0.0, 0.5, k  # the k-th van der Corput point: k's binary digits mirrored after the point
+        while i:
+            x, i, f = x + f * (i & 1), i >> 1, f / 2
+        k += 1
+        free = [j for j in range(n) if j not in order]
+        order.append(min(free, key=lambda j: (abs(j - x * (n - 1)), j)))
+    return order
+
+
 class Runner:
     """Runs methods x budgets on examples for one model + table (see the module docstring)."""
 
@@ -190,13 +205,14 @@ class Runner:
 
     # -- everything -------------------------------------------------------------------------------
     def examples(self) -> list[Example]:
-        """Length-major, then example index, then task: a run stopped early still has every task at
-        (nearly) the same n."""
+        """Length-major, then example index in :func:`spread_order`, then task: a run stopped early still has every
+        task at (nearly) the same n, and its examples' needle depths (spread evenly over [0, 1] by index) span the
+        whole range instead of its shallow end."""
         out = []
         for length in self.cfg.lengths:
             per_task = [make_examples(t, self.tokenizer, length, self.cfg.n, seed=self.cfg.seed)
                         for t in self.cfg.tasks]
-            out += [exs[i] for i in range(self.cfg.n) for exs in per_task]
+            out += [exs[i] for i in spread_order(self.cfg.n) for exs in per_task]
         return out
 
     def run(self, out_dir: str | Path | None = None, resume: bool = True) -> EvalResult:

@@ -351,3 +351,15 @@ def test_real_model_full_cache_passkey_accuracy_at_2k(real_passkey_records):
     # classic needle's reversed repeat made the model answer "the pass key" on 5/30); a prompt, position or
     # mask bug drops accuracy to ~0.
     assert acc >= 0.9, [(r["answers"], r["generated"]) for r in full]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 20])
+def test_examples_run_in_an_order_whose_prefixes_spread_over_the_depths(n):
+    from moend_fx.eval.runner import spread_order
+
+    order = spread_order(n)
+    assert sorted(order) == list(range(n))
+    assert order[:2] == [0, n - 1][:n]
+    for k in range(2, n + 1):  # no gap between the first k indices wider than twice the even spacing (+ rounding)
+        seen = sorted(order[:k])
+        assert max(b - a for a, b in zip(seen, seen[1:])) <= 2 * (n - 1) / (k - 1) + 1
