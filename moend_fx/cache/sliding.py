@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from moend_fx.cache.layer import MoENDLayer, PackedAttention
+from moend_fx.cache.masks import logical_mask
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import BudgetMode
 from moend_fx.eviction.held import DenseKV
@@ -70,7 +71,8 @@ class SlidingLayer(MoENDLayer):
     """A :class:`MoENDLayer` over a sliding window: holds at most ``limit`` tokens between steps (module doc)."""
 
     is_sliding = True
-    is_croppable = False  # its oldest tokens are gone: a crop could not bring them back
+    # croppable while recording (moend_fx.cache.speculation): the oldest tokens stay while a step is open and leave
+    # as each kept token is replayed at the crop, so nothing a crop must restore is gone
 
     def __init__(self, config: LayerConfig, *, layer_idx: int, window: int, limit: int, budget: SlidingBudget,
                  group_size: int, attention_fn: PackedAttention | None = None) -> None:
@@ -93,6 +95,10 @@ class SlidingLayer(MoENDLayer):
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.open:  # a recorded (verify / draft) step holds its older tokens: each query sees what decoding has
+            n = query.shape[2]
+            mask = _recent(logical_mask(mask, n, self.logical, f"layer {self.layer_idx}"), self._views()[-n:],
+                           self.logical, query.device)
         out = super().attend(query, mask, scale, position_ids)
         if not torch.compiler.is_compiling():  # a compiled step's tokens leave in settle, outside the graph
             self._trim()
@@ -112,7 +118,7 @@ class SlidingLayer(MoENDLayer):
         its cap's bytes (a count below ``limit`` can take more: its last tokens wait at 16 bits for their K group).
         Whole packed K groups first (see the module docstring), then single tokens where every tensor is per token."""
         p = self.packed
-        if p is None:
+        if p is None or self.open:  # recording: trimmed token by token as the crop replays the kept ones
             return
         batch, dtype = p.k_res.shape[0], p.dtype
         cap = self.budget.cap(batch=batch, dtype=dtype)
@@ -128,11 +134,49 @@ class SlidingLayer(MoENDLayer):
             p = _drop_oldest(p, p.num_tokens - keep)
         self.packed = p
 
+    def _views(self) -> list[int]:
+        """For each open token, oldest first, how many tokens (itself included) its query sees in one-by-one
+        decoding: the count :meth:`_trim` leaves after each step before, counted from the state before the first
+        open step (a full residual group is packed before the next append; whole packed K groups leave first)."""
+        p, before, g = self.packed, self.open[0].before, self.group_size
+        batch, dtype, quantized = p.k_res.shape[0], p.dtype, p.config.quantized
+        cap = self.budget.cap(batch=batch, dtype=dtype)
+        count, packed, views = before.tokens, before.k_packed, []
+        for slots in range(self.open[0].start + 1, self.logical + 1):
+            if quantized and count - packed == g:
+                packed += g
+            count += 1
+            views.append(count)
+
+            def fits(n: int, slots: int = slots) -> bool:
+                return n <= self.limit and self.budget.held(n, slots, batch=batch, dtype=dtype) <= cap
+
+            while not fits(count) and packed and p.config.k_bits < 16:
+                packed, count = packed - g, count - g
+            if not fits(count):
+                count = next((m for m in range(min(count, self.limit), 0, -1) if fits(m)), 0)
+                packed = count // g * g if quantized and packed else 0
+        return views
+
+    def replayed(self) -> None:
+        """A token replayed at a crop (``speculation.replay_token``) leaves what a decode step's attention does."""
+        self._trim()
+
     def model_nbytes(self) -> int:
         self.settle()
         if self.packed is None:
             return 0
         return self.budget.held(self.held, self.logical, batch=self.batch_size, dtype=self.packed.dtype)
+
+
+def _recent(lmask: torch.Tensor | None, views: list[int], logical: int, device: torch.device) -> torch.Tensor:
+    """The logical mask lmask [B, 1, L, S] (None: causal) of the newest L = len(views) slots narrowed so that the
+    query at slot p sees only the ``views[i]`` slots up to p that one-by-one decoding holds there."""
+    q = torch.arange(logical - len(views), logical, device=device)[:, None]
+    lo = q - torch.tensor(views, device=device)[:, None]
+    s = torch.arange(logical, device=device)[None, :]
+    band = ((s <= q) & (s > lo))[None, None]  # [1, 1, L, S]
+    return band if lmask is None else lmask & band
 
 
 def _drop_oldest(p: PackedKV, n: int) -> PackedKV:

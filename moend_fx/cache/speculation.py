@@ -192,6 +192,9 @@ def replay_token(layer: MoENDLayer, step: OpenStep, i: int) -> None:
     pid = None if step.position_ids is None else step.position_ids[..., i : i + 1]
     ev.observe(step.query[:, :, i : i + 1], s + 1, pid)
     layer.packed = ev.decode_step(layer.packed, mask, s + 1)
+    replayed = getattr(layer, "replayed", None)  # a sliding layer's oldest token leaves (moend_fx.cache.sliding)
+    if replayed is not None:
+        replayed()
 
 
 def shadow_candidates(model: Any) -> None:

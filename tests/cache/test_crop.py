@@ -271,3 +271,85 @@ def test_prompt_lookup_on_smollm2_gives_plain_greedy_tokens(smollm2):
         top = want.scores[i][0].topk(2).values
         scale = _chunk_vs_steps(model, ids, w[None, :4])
         assert float(top[0] - top[1]) < 10 * scale, (i, float(top[0] - top[1]), scale)
+
+
+# ------------------------------------------------------------------ sliding-window layers (Gemma 3's local layers)
+def _sliding_pair(cfg: LayerConfig, mode: str):
+    from moend_fx.cache.sliding import sliding_layer
+    from tests.cache.sliding_models import sliding_model
+
+    fp = ModelFingerprint.from_model(sliding_model("gemma3_text"))
+    plan = RoutingPlan.uniform(cfg, fp, 64, group_size=8, scorer="snapkv")
+    i = fp.sliding[0]
+    return [sliding_layer(plan, i, budget_mode=mode, attention_fn=None) for _ in range(2)], fp
+
+
+@given(cfg=st.sampled_from([LayerConfig(1.0, 16, 16), LayerConfig(1.0, 8, 4), LayerConfig(0.5, 4, 8)]),
+       mode=st.sampled_from(["ratio", "capacity"]), t=st.integers(5, 60), before=st.integers(0, 30),
+       lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3), drop=st.integers(0, 18), seed=st.integers(0, 3))
+def test_a_sliding_layer_cropped_equals_one_by_one_decoding(cfg, mode, t, before, lengths, drop, seed):
+    """A sliding layer (window 24) keeps its oldest tokens while steps are open, and the crop replays the kept
+    tokens with the trim each decode step makes: bit for bit what one-by-one decoding of them leaves."""
+    (rec, ref), fp = _sliding_pair(cfg, mode)
+    total = sum(lengths)
+    drop = min(drop, total)
+    g = torch.Generator().manual_seed(seed)
+    n = t + before + total
+    k, v = (torch.randn(1, fp.num_kv_heads, n, fp.head_dim, generator=g) for _ in range(2))
+    q = torch.randn(1, fp.num_heads, n, fp.head_dim, generator=g)
+    for layer in (rec, ref):
+        _prefill(layer, k[:, :, :t], v[:, :, :t], q[:, :, :t])
+        for i in range(t, t + before):
+            _step(layer, k[:, :, i : i + 1], v[:, :, i : i + 1], q[:, :, i : i + 1])
+    rec.activate_past_recording()
+    rec.record_past = len(lengths)
+    s = t + before
+    for m in lengths:
+        _step(rec, k[:, :, s : s + m], v[:, :, s : s + m], q[:, :, s : s + m])
+        s += m
+    rec.crop(-drop)
+    for i in range(t + before, n - drop):
+        _step(ref, k[:, :, i : i + 1], v[:, :, i : i + 1], q[:, :, i : i + 1])
+    assert rec.held <= rec.limit
+    _same(_state(rec), _state(ref))
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_on_a_sliding_window_hybrid(how):
+    """Tiny Gemma 3 (5 sliding layers of window 24, 1 global), prompts of 72-82 tokens, keep 0.5 (the sliding
+    layers hold the last 11 tokens: narrower than the window, so a verify step's queries must be narrowed to what
+    decoding holds at each), 16-bit K, 4-bit V, capacity mode at 256 tokens (no decode-time eviction): the
+    verified tokens equal plain greedy decoding's with the same plan; every crop leaves each layer within its
+    budget. (A K group quantized inside a verify step is seen quantized by the step's earlier queries, where
+    decoding saw it at 16 bits: with quantized K the tokens can differ by a near-tie; docs/cache.md.)"""
+    from tests.cache.sliding_models import WINDOW, sliding_model
+
+    model = sliding_model("gemma3_text")
+    draft = sliding_model("gemma3_text")
+    draft.load_state_dict(model.state_dict())
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 16, 4), ModelFingerprint.from_model(model), 256, group_size=8,
+                               scorer="snapkv")
+    prepare(model, plan)
+    try:
+        extra = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": draft}
+        kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+        for seed in range(2):
+            ids = torch.randint(3, 256, (1, 3 * WINDOW + 10 * seed), generator=torch.Generator().manual_seed(seed))
+            want = model.generate(ids, **kw)
+            cache = CropWatch(plan, rope=rope_from_model(model))
+            got = model.generate(ids, cache=cache, **extra, **kw)
+            assert torch.equal(got, want), (seed, got[0, ids.shape[1]:].tolist(), want[0, ids.shape[1]:].tolist())
+            assert cache.checks > 1
+    finally:
+        unprepare(model)
+
+
+class CropWatch(MoENDCache):
+    """A MoENDCache whose every layer is within its budget and priced by the memory model after each crop."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.checks = getattr(self, "checks", 0) + 1
+        assert self.nbytes() == self.model_bytes() and self.nbytes().total <= self.budget_bytes().total
