@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moend_fx.bench.decode_tables import compile_table
-from moend_fx.bench.published_extra import gemma_table, speculative_table
+from moend_fx.bench.published_extra import gemma_decode_table, gemma_table, speculative_table
 from moend_fx.common.errors import MoendError
 from moend_fx.eval.report_markdown import headline
 from moend_fx.eval.summary import AVG
@@ -245,7 +245,10 @@ TABLES: tuple[PublishedTable, ...] = (
     PublishedTable("kernels-gpu", "moend bench triton (on a CUDA GPU; CI has none)", triton_table),
     PublishedTable("kernels-static", "moend bench kernels --static --out DIR (before: the kernel of 33b31d1)",
                    static_table),
-    PublishedTable("gemma3-4k", "python docs/data/gemma3-4k/measure.py 4 (n = 4 per task)", gemma_table),
+    PublishedTable("gemma3", "moend eval --model gemma3-270m --tasks passkey,niah_single --settings query_aware "
+                   "--budgets 8x,14x,20x --methods full,2d_uniform,2d_uniform_matched,pyramid,2d_hetero --threads 1 "
+                   "--out results/gemma3-eval-L (L: --lengths 4096 --n 20; 8192 --n 10; 16384 --n 10), pooled with "
+                   "moend report RUN... --out docs/data/gemma3", gemma_table),
     PublishedTable("speculative", "moend bench speculative --contexts 4096 --new-tokens 64 --draft-tokens 4 "
                    "--table <the snapkv_trig table> --out docs/data/speculative", speculative_table),
     PublishedTable("proxy", "moend bench proxy --threads 2 --doc '' --out docs/data/proxy/SUB "
@@ -256,6 +259,7 @@ TABLES: tuple[PublishedTable, ...] = (
 VIEWS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "accuracy-2k4k-methods": ("accuracy-2k4k", accuracy_methods_table),
     "accuracy-8k-methods": ("accuracy-8k", accuracy_methods_table),
+    "gemma3-decode": ("gemma3", gemma_decode_table),
 }
 
 
