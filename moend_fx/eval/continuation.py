@@ -50,7 +50,7 @@ def continuation_eval(model: Any, table: SensitivityTable, token_ids: torch.Tens
     if ids.dim() != 2 or ids.shape[1] < context_length + 2:
         raise MoendError(f"token_ids {tuple(ids.shape)} must be [N, T] with T >= context_length + 2 = "
                          f"{context_length + 2}")
-    runnable, _ = mth.check_methods(methods)
+    runnable, _ = mth.check_methods(methods, model=model)
     run = _ContinuationRun(model, table, EvalConfig(methods=tuple(runnable), budgets=tuple(budgets), window=window))
     path = Path(records) if records is not None else None
     store: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)

@@ -1,8 +1,9 @@
 """The methods an evaluation compares, and how each turns one full-precision prefill into its own cache.
 
 Every example is prefilled once at full precision (SDPA); :class:`PrefillState` keeps that prefill's K/V
-(per layer [B, Hkv, T, D], post-RoPE; every layer's T tokens, sliding-window layers included) and the last ``W`` post-RoPE queries of each layer (for scorers
-that estimate query statistics). Each method then builds its cache from the *same* state:
+(per layer [B, Hkv, T, D], post-RoPE; every layer's T tokens, sliding-window layers included) and the last ``W``
+post-RoPE queries of each layer (for scorers that estimate query statistics). Each method then builds its cache from
+the *same* state:
 
 * ``full``: a ``DynamicCache`` holding the K/V as they are (the model's dtype); built from the model's config, so
   on a sliding-window hybrid each sliding layer keeps its last ``window - 1`` tokens, as after a plain prefill (the
@@ -35,7 +36,7 @@ from moend_fx.calibration.sensitivity import SensitivityTable
 from moend_fx.calibration.tables import layer_query_stats
 from moend_fx.common.errors import MoendError
 from moend_fx.eviction.rope import rope_from_model
-from moend_fx.plan.routing import RoutingPlan
+from moend_fx.plan.routing import ModelFingerprint, RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -110,17 +111,22 @@ def hf_backend_available(backend: str) -> bool:
     return {"quanto": is_optimum_quanto_available, "hqq": is_hqq_available}.get(backend, lambda: True)()
 
 
-def unavailable_reason(name: str) -> str | None:
-    """Why method ``name`` cannot run here (None if it can)."""
+def unavailable_reason(name: str, model: Any = None) -> str | None:
+    """Why method ``name`` cannot run here, or on ``model`` when given (None if it can)."""
     spec = METHODS[name]
+    sliding = 0 if model is None or spec.kind != "hf" else len(ModelFingerprint.from_model(model).sliding)
+    if sliding:
+        return (f"{name} is transformers' QuantizedCache, which serves only full-attention models; this model has "
+                f"{sliding} sliding-window layer(s)")
     if spec.kind == "hf" and not hf_backend_available(spec.backend):
         return (f"{name} needs the '{spec.backend}' backend of transformers' QuantizedCache "
                 f"(package optimum-quanto), which is not installed in this environment")
     return None
 
 
-def check_methods(names: Sequence[str], *, skip_unavailable: bool = True) -> tuple[list[str], dict[str, str]]:
-    """(runnable method names, {skipped name: reason}). Unknown names raise MoendError."""
+def check_methods(names: Sequence[str], *, skip_unavailable: bool = True, model: Any = None,
+                  ) -> tuple[list[str], dict[str, str]]:
+    """(runnable method names, {skipped name: reason}), on ``model`` when given. Unknown names raise MoendError."""
     bad = [n for n in names if n not in METHODS]
     if bad:
         raise MoendError(f"method {bad[0]!r} is unknown; allowed: {', '.join(METHODS)}")
@@ -128,7 +134,7 @@ def check_methods(names: Sequence[str], *, skip_unavailable: bool = True) -> tup
         raise MoendError(f"no methods given; allowed: {', '.join(METHODS)}")
     run, skipped = [], {}
     for n in dict.fromkeys(names):
-        why = unavailable_reason(n)
+        why = unavailable_reason(n, model)
         if why is None:
             run.append(n)
         elif skip_unavailable:

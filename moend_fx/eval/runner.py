@@ -122,7 +122,7 @@ class Runner:
     def __init__(self, model: Any, tokenizer: Any, tables: SensitivityTable | Mapping[str, SensitivityTable],
                  config: EvalConfig, progress: bool = True) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, config
-        self.methods, self.skipped = check_methods(config.methods)
+        self.methods, self.skipped = check_methods(config.methods, model=model)
         self.fp = ModelFingerprint.from_model(model)
         self.by_setting = setting_plans(model, tables, config)
         self.progress = progress

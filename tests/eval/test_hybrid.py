@@ -152,3 +152,11 @@ def test_the_banded_prefill_attention_equals_the_dense_one(model, example, monke
         torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(q2, q1, atol=1e-5, rtol=1e-5)
     assert not torch.equal(dense.kv[-1][0], torch.zeros_like(dense.kv[-1][0]))
+
+
+def test_transformers_quantized_cache_is_skipped_on_a_hybrid_with_its_reason(model, table):
+    cfg = EvalConfig(tasks=("passkey",), lengths=(300,), n=1, budgets=("4x",), settings=("query_aware",),
+                     methods=("full", "hf_fp8"))
+    runner = Runner(model, TOK, table, cfg, progress=False)
+    assert runner.methods == ["full"]
+    assert "only full-attention models" in runner.skipped["hf_fp8"] and "5 sliding-window" in runner.skipped["hf_fp8"]
