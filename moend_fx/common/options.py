@@ -47,8 +47,9 @@ ScoreCombine = option_set(
 Kernel = option_set(
     "Kernel", "Which implementation runs the fused packed attention op.", "auto", "cpu", "triton", "reference")
 InnerCompiler = option_set(
-    "InnerCompiler", "The compiler the ``moend`` backend hands the rewritten graph to.",
-    "inductor", "aot_eager", "eager")
+    "InnerCompiler", "The compiler the ``moend`` backend hands the rewritten graph to (``auto``: chosen per device "
+    "from measurements, ``moend_fx.compile.settings.AUTO_INNER``).",
+    "auto", "inductor", "aot_eager", "eager")
 SensitivityMeasure = option_set(
     "SensitivityMeasure", "What a sensitivity table's S measures per layer and config over the calibration window's "
     "queries: ``l2``, the attention output's relative L2 error (the paper's), or ``top1``, the share of (query, "

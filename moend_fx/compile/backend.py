@@ -24,18 +24,26 @@ import torch
 import torch.fx as fx
 
 from moend_fx.common.options import InnerCompiler
-from moend_fx.compile.settings import BackendSettings
+from moend_fx.compile.settings import BackendSettings, resolve_inner
 
 BACKEND_NAME = "moend"
 
 
+def graph_device_type(example_inputs: Sequence[Any]) -> str:
+    """The device type a graph runs on: "cuda" if any example input tensor is on CUDA, else the first tensor's
+    device type ("cpu" for a graph without tensor inputs)."""
+    types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
+    return "cuda" if "cuda" in types else (types[0] if types else "cpu")
+
+
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], settings: BackendSettings) -> Callable:
-    """Compile the rewritten graph with ``settings.inner``."""
+    """Compile the rewritten graph with ``settings.inner`` (``auto``: resolved for the graph's device)."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    if settings.inner == InnerCompiler.EAGER:
+    inner = resolve_inner(settings.inner, graph_device_type(example_inputs), settings.mode)
+    if inner == InnerCompiler.EAGER:
         return gm.forward
-    if settings.inner == InnerCompiler.AOT_EAGER:
+    if inner == InnerCompiler.AOT_EAGER:
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     from torch._inductor.compile_fx import compile_fx
 

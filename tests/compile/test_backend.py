@@ -11,8 +11,8 @@ from torch._dynamo.exc import BackendCompilerFailed
 from moend_fx.attention.packed import packed_layer_attention
 from moend_fx.common.errors import MoendError, PlanError
 from moend_fx.common.options import InnerCompiler, Kernel
-from moend_fx.compile.backend import moend_backend
-from moend_fx.compile.settings import BackendSettings, resolve_plan
+from moend_fx.compile.backend import compile_inner, graph_device_type, moend_backend
+from moend_fx.compile.settings import AUTO_INNER, BackendSettings, resolve_inner, resolve_plan
 from moend_fx.kernels import packed_attention
 from moend_fx.kernels.precision import FP32_ATOL, FP32_RTOL, kernel_atol
 from moend_fx.plan.routing import LayerConfig, ModelFingerprint, RoutingPlan
@@ -103,7 +103,7 @@ def test_plan_mismatch_surfaces_as_plan_error():
 
 
 @pytest.mark.parametrize("options, msg", [
-    ({"inner": "tvm"}, "inner='tvm' is unknown; allowed: inductor, aot_eager, eager"),
+    ({"inner": "tvm"}, "inner='tvm' is unknown; allowed: auto, inductor, aot_eager, eager"),
     ({"kernel": "cuda"}, "kernel='cuda' is unknown; allowed: auto, cpu, triton, reference"),
     ({"fullgraph": True}, "unknown moend backend option(s) ['fullgraph']; allowed: ['plan'"),
     ({"fuse": "yes"}, "fuse='yes' is invalid; allowed: True or False"),
@@ -129,6 +129,39 @@ def test_settings_object_and_overrides():
     assert BackendSettings.from_options(None, mode="reduce-overhead").mode == "reduce-overhead"
     with pytest.raises(MoendError, match="allowed: a dict, BackendSettings or None"):
         BackendSettings.from_options([("inner", "eager")])
+
+
+def test_auto_inner_compiler_is_resolved_per_device():
+    assert BackendSettings().inner is InnerCompiler.AUTO  # the default
+    assert resolve_inner("auto", "cpu") is AUTO_INNER["cpu"]
+    assert resolve_inner("auto", "cuda") is InnerCompiler.INDUCTOR  # Triton code generation, CUDA graphs
+    assert resolve_inner("auto", "xpu") is InnerCompiler.INDUCTOR  # a device without a measurement
+    assert resolve_inner("auto", "cpu", mode="max-autotune") is InnerCompiler.INDUCTOR  # only inductor reads mode
+    for inner in ("inductor", "aot_eager", "eager"):  # a named compiler is used on any device
+        assert resolve_inner(inner, "cuda") == resolve_inner(inner, "cpu") == inner
+    with pytest.raises(MoendError, match="allowed: auto, inductor"):
+        resolve_inner("tvm", "cpu")
+
+
+def test_graph_device_type_prefers_cuda_and_skips_non_tensors():
+    meta = torch.empty(2, device="meta")
+    assert graph_device_type([3, torch.ones(2)]) == "cpu"
+    assert graph_device_type([meta, torch.ones(2)]) == "meta"
+    assert graph_device_type([]) == "cpu"
+    if torch.cuda.is_available():
+        assert graph_device_type([torch.ones(2), torch.ones(2, device="cuda")]) == "cuda"
+
+
+def test_auto_hands_a_cpu_graph_to_the_measured_choice(monkeypatch):
+    """compile_inner resolves ``auto`` with the graph's device: on CPU, what AUTO_INNER names (here swapped for
+    ``eager``, which returns the graph's own forward, so the choice is visible)."""
+    gm = torch.fx.symbolic_trace(lambda x: (x * 2,))  # tuple output, as dynamo's graphs have
+    x = rand(3)
+    monkeypatch.setitem(AUTO_INNER, "cpu", InnerCompiler.EAGER)
+    assert compile_inner(gm, [x], BackendSettings()) == gm.forward
+    monkeypatch.setitem(AUTO_INNER, "cpu", InnerCompiler.AOT_EAGER)
+    fn = compile_inner(gm, [x], BackendSettings())
+    assert fn != gm.forward and torch.equal(fn(x)[0], x * 2)
 
 
 def test_plan_found_from_model_cache_or_file(tmp_path):
