@@ -22,6 +22,7 @@ from moend_fx.calibration.tables import setting_table_path
 from moend_fx.common.defaults import CALIBRATION_TOKENS, DEFAULT_MODEL
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import Setting
+from moend_fx.compile.settings import BackendSettings, resolve_inner
 from moend_fx.eval.tasks.registry import make_examples, score
 from moend_fx.eviction.scorers import default_scorer
 from moend_fx.models import load_model
@@ -51,11 +52,16 @@ def load_or_calibrate(model, tok, path: Path, tokens: int, scorer: str) -> Sensi
     return table
 
 
-# What the first generate() after model.compile(backend="moend") waits for, measured (docs/results.md, "Decode
-# speed and batch throughput on CPU", compile table; issue 57): the cold compile of the decode graph took 86 s on
-# 2 threads of an otherwise idle Xeon, 145 s on 1 busy thread; with inductor's cache warm (a second run), 21 s.
-COLD_COMPILE_S = {"2 idle cores": 86, "1 busy thread": 145}
-WARM_COMPILE_S = 21
+# What the first generate() after model.compile(backend="moend") waits for, measured (docs/compile.md, "Which inner
+# compiler, and when compiling pays back"), by the inner compiler the backend picks for the model's device
+# (inner="auto": aot_eager on CPU, inductor on CUDA). aot_eager: the trace only, the same every run.
+# inductor: a cold compile fills inductor's on-disk cache, a later run reads it back.
+# The whole first generate (compile + prefill + 12 tokens) with aot_eager: 65 s on 1 busy thread (issue 57);
+# the compile alone 35 s on 2 idle cores.
+FIRST_GENERATE_S = {"aot_eager": "about 35 s of compile on 2 idle cores, about 65 s for the whole first generate "
+                                  "on 1 busy thread"}
+INDUCTOR_COLD_S = {"2 idle cores": 86, "1 busy thread": 145}
+INDUCTOR_WARM_S = 21
 RESULTS = "docs/results.md#accuracy-vs-memory"
 
 
@@ -89,16 +95,21 @@ def inductor_cache_is_warm() -> bool:
         return False
 
 
-def announce_compile() -> None:
+def announce_compile(inner: str) -> None:
     threads = torch.get_num_threads()
-    if inductor_cache_is_warm():
-        guess = f"about {WARM_COMPILE_S} s: inductor's cache from an earlier run is warm"
+    if inner == "inductor":
+        what = "inductor generates and builds the decode graph's code"
+        if inductor_cache_is_warm():
+            guess = f"about {INDUCTOR_WARM_S} s: inductor's cache from an earlier run is warm"
+        else:
+            guess = ("a cold compile: " + ", ".join(f"{s} s on {k}" for k, s in INDUCTOR_COLD_S.items())
+                     + "; it is paid once per process, later calls reuse the compiled graph")
     else:
-        guess = ("a cold compile: " + ", ".join(f"{s} s on {k}" for k, s in COLD_COMPILE_S.items())
-                 + "; it is paid once per process, later calls reuse the compiled graph")
-    print(f"[5/5] first generate(): torch.compile traces the model, the moend passes fuse dequantize + attention, "
-          f"inductor compiles the decode graph ({threads} threads here; usually {guess}), then the prefill and "
-          "12 new tokens", flush=True)
+        what = f"{inner} takes the graph as traced (no code generation: the shortest wait on a CPU)"
+        guess = FIRST_GENERATE_S.get(inner, "a minute or less") + "; paid once per process"
+    print(f"[5/5] first generate(): the prefill (eager), then torch.compile traces the decode step, the moend passes "
+          f"fuse dequantize + attention, {what} ({threads} threads here; usually {guess}), then 12 new tokens",
+          flush=True)
 
 
 def main() -> None:
@@ -145,8 +156,10 @@ def main() -> None:
         # model.compile (not torch.compile(model)): generate() calls the compiled forward. It returns at once;
         # the compile happens in the first generate().
         model.compile(backend="moend")
-        print("[4/5] model.compile(backend='moend'): attention over packed layers will be fused per layer")
-        announce_compile()
+        inner = str(resolve_inner(BackendSettings().inner, next(model.parameters()).device.type))
+        print(f"[4/5] model.compile(backend='moend'): attention over packed layers will be fused per layer; "
+              f"inner compiler {inner} (the default, 'auto', for this device)")
+        announce_compile(inner)
     else:
         print("[4/5] compile skipped (--no-compile)")
         print("[5/5] generate(): the prefill and 12 new tokens, eager", flush=True)
