@@ -264,10 +264,9 @@ class MoENDLayer(CacheLayerMixin):
         self._pending = None
         n_q = query.shape[2]
         lmask = logical_mask(mask, n_q, self.logical, f"layer {self.layer_idx}")
+        if self.open:  # recording: each row as one-by-one decoding computes it; observed and evicted at the crop
+            return speculation.attend_open(self, query, lmask, scale, position_ids)
         out = held_attention(self.attention_fn, query, self.packed, lmask, scale)
-        if self.open:  # recording: observed and evicted when the step is cropped
-            self.open[-1].attended(query, lmask, position_ids)
-            return out
         self.evictor.observe(query, self.logical, position_ids)
         if n_q > 1:
             self.packed = self.evictor.evict(self.packed, lmask, chunk=True, logical=self.logical)

@@ -29,6 +29,7 @@ commits them first (``crop(0)``). Beyond the open steps nothing can be cropped: 
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from moend_fx.cache.masks import held_attention
 from moend_fx.common.errors import MoendError
 from moend_fx.common.options import QuantMode
 from moend_fx.storage.packed import Block, PackedKV, _row_major_empty, slot_positions
@@ -181,13 +183,61 @@ def _compress_prompt(layer: MoENDLayer, step: OpenStep, n: int) -> None:
     layer._compress_prompt(k[:, :, :n], v[:, :, :n], mask)
 
 
+def attend_open(layer: MoENDLayer, query: torch.Tensor, lmask: torch.Tensor | None, scale: float | None,
+                position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Attention of the open step's query [B, H, L, D] under the logical mask lmask [B, 1, L, S] (or None), each
+    row over what one-by-one decoding holds at its token: a copy of the layer cut back to before the first open
+    step replays the earlier open tokens, then, per row, appends its token, attends that row alone (the decode
+    step's own shapes) and observes / evicts as decoding would after it. So a K group quantized or an eviction
+    made inside a verify step is seen by the rows after it only, as in plain decoding; the layer itself stays as
+    it is until the crop. A single open token (and a drafter's one-token steps after the first) attends the layer
+    as it is: for the first, that is what decoding holds; after it, a drafter only proposes. Returns [B, H, L, D]."""
+    step = layer.open[-1]
+    step.attended(query, lmask, position_ids)
+    if step.length == 1:
+        return held_attention(layer.attention_fn, query, layer.packed, lmask, scale)
+    shadow = _shadow(layer)
+    for earlier in layer.open[:-1]:
+        for i in range(earlier.length):
+            replay_token(shadow, earlier, i)
+    rows = []
+    for i in range(step.length):
+        _append_token(shadow, step, i)
+        mask = None if lmask is None else lmask[:, :, i : i + 1, : step.start + i + 1]
+        rows.append(held_attention(layer.attention_fn, query[:, :, i : i + 1], shadow.packed, mask, scale))
+        _after_token(shadow, step, i)
+    return torch.cat(rows, dim=2)
+
+
+def _shadow(layer: MoENDLayer) -> MoENDLayer:
+    """A copy of ``layer`` (its eviction state included) holding what it held before its first open step."""
+    steps, packed = layer.open, layer.packed
+    layer.open, layer.packed = [], None  # not copied: the steps are read from the layer, the storage is cut
+    try:
+        shadow = copy.deepcopy(layer)
+    finally:
+        layer.open, layer.packed = steps, packed
+    shadow.packed, shadow.logical = cut(packed, steps[0].before), steps[0].start
+    return shadow
+
+
 def replay_token(layer: MoENDLayer, step: OpenStep, i: int) -> None:
     """Feed token ``i`` of ``step`` as a decode step of its own: append, observe its query, count, evict if due."""
-    s, ev = step.start + i, layer.evictor
+    _append_token(layer, step, i)
+    _after_token(layer, step, i)
+
+
+def _append_token(layer: MoENDLayer, step: OpenStep, i: int) -> None:
+    s = step.start + i
     k, v = step.keys[:, :, i : i + 1], step.values[:, :, i : i + 1]
     pos = None if layer.packed.positions is None else slot_positions(s, s + 1, k)
     layer.packed = layer.packed.append(k, v, pos, keep_full=True)
     layer.logical = s + 1
+
+
+def _after_token(layer: MoENDLayer, step: OpenStep, i: int) -> None:
+    """What a decode step does after its attention: observe the query, count the step, evict if due."""
+    s, ev = step.start + i, layer.evictor
     mask = None if step.mask is None else step.mask[:, :, i : i + 1, : s + 1]
     pid = None if step.position_ids is None else step.position_ids[..., i : i + 1]
     ev.observe(step.query[:, :, i : i + 1], s + 1, pid)

@@ -4,6 +4,8 @@ and assisted generation / prompt lookup on a prepared model give plain greedy's 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -274,11 +276,17 @@ def test_prompt_lookup_on_smollm2_gives_plain_greedy_tokens(smollm2):
 
 
 # ------------------------------------------------------------------ sliding-window layers (Gemma 3's local layers)
-def _sliding_pair(cfg: LayerConfig, mode: str):
-    from moend_fx.cache.sliding import sliding_layer
+@functools.cache
+def _gemma3_fingerprint() -> ModelFingerprint:
     from tests.cache.sliding_models import sliding_model
 
-    fp = ModelFingerprint.from_model(sliding_model("gemma3_text"))
+    return ModelFingerprint.from_model(sliding_model("gemma3_text"))
+
+
+def _sliding_pair(cfg: LayerConfig, mode: str):
+    from moend_fx.cache.sliding import sliding_layer
+
+    fp = _gemma3_fingerprint()
     plan = RoutingPlan.uniform(cfg, fp, 64, group_size=8, scorer="snapkv")
     i = fp.sliding[0]
     return [sliding_layer(plan, i, budget_mode=mode, attention_fn=None) for _ in range(2)], fp
@@ -353,3 +361,37 @@ class CropWatch(MoENDCache):
         super().crop(tokens_to_remove)
         self.checks = getattr(self, "checks", 0) + 1
         assert self.nbytes() == self.model_bytes() and self.nbytes().total <= self.budget_bytes().total
+
+
+@given(cfg=st.sampled_from(CONFIGS[:3]), sliding=st.booleans(), t=st.integers(12, 50), before=st.integers(0, 9),
+       n=st.integers(2, 7), evict_every=st.integers(2, 4), seed=st.integers(0, 3))
+def test_a_verify_steps_rows_are_what_one_by_one_decoding_computes(cfg, sliding, t, before, n, evict_every, seed):
+    """A recorded step of n tokens (a verify step) returns, row by row, the attention one-by-one decoding of those
+    tokens computes: a K group filled or an eviction due (every 2-4 steps) inside the step is seen only by the
+    rows after it, as in decoding; a sliding layer's rows see its trimmed window. Same states, same one-row
+    shapes: equal to float rounding (1e-6; the tensors are O(1))."""
+    if sliding:
+        (rec, ref), fp = _sliding_pair(cfg, "ratio")
+        h, hkv, d = fp.num_heads, fp.num_kv_heads, fp.head_dim
+    else:
+        rec, ref = _pair(cfg, "snapkv", evict_every)
+        h, hkv, d = H, HKV, D
+    g = torch.Generator().manual_seed(seed)
+    total = t + before + n
+    k, v = (torch.randn(1, hkv, total, d, generator=g) for _ in range(2))
+    q = torch.randn(1, h, total, d, generator=g)
+    for layer in (rec, ref):
+        _prefill(layer, k[:, :, :t], v[:, :, :t], q[:, :, :t])
+        for i in range(t, t + before):
+            _step(layer, k[:, :, i : i + 1], v[:, :, i : i + 1], q[:, :, i : i + 1])
+    rec.activate_past_recording()
+    s = t + before
+    rec.update(k[:, :, s:], v[:, :, s:])
+    got = rec.attend(q[:, :, s:], None)
+    want = []
+    for i in range(s, total):
+        ref.update(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        want.append(ref.attend(q[:, :, i : i + 1], None))
+    assert (got - torch.cat(want, dim=2)).abs().max() < 1e-6
+    rec.crop(0)
+    _same(_state(rec), _state(ref))  # and the layer itself is what decoding left
