@@ -222,8 +222,9 @@ def test_assisted_and_prompt_lookup_give_plain_greedy_tokens(mode, how):
 def test_evictions_during_speculation_keep_the_budget(reserve):
     """A 64-token capacity plan that evicts every few decode steps, verify steps of up to 5 tokens: the measured
     bytes never exceed the budget, the open step included. With reserve=4 an open step always fits (plain decoding
-    with the same reserve evicts at the same tokens, given the same K/V); with reserve=0 an open step that would
-    not fit first evicts older tokens."""
+    with the same reserve evicts at the same tokens, given the same K/V, and a verify step's rows attend as
+    decoding does: the tokens are plain greedy's); with reserve=0 an open step that would not fit first evicts
+    older tokens."""
     torch.manual_seed(0)
     model = _model()
     plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), ModelFingerprint.from_model(model), 64, scorer="snapkv")
@@ -233,6 +234,9 @@ def test_evictions_during_speculation_keep_the_budget(reserve):
                          do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80) and cache.checks > 1 and cache.get_seq_length() == 79
     assert all(layer.evictions > 3 for layer in cache.layers)
+    if reserve:  # verify steps fit without evicting early, and their rows see each eviction as decoding does
+        plain = model.generate(_ids(40, 1), max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, plain), (out[0, 40:].tolist(), plain[0, 40:].tolist())
 
 
 @torch.no_grad()
