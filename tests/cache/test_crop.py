@@ -234,9 +234,33 @@ def test_evictions_during_speculation_keep_the_budget(reserve):
                          do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80) and cache.checks > 1 and cache.get_seq_length() == 79
     assert all(layer.evictions > 3 for layer in cache.layers)
-    if reserve:  # verify steps fit without evicting early, and their rows see each eviction as decoding does
-        plain = model.generate(_ids(40, 1), max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
-        assert torch.equal(out, plain), (out[0, 40:].tolist(), plain[0, 40:].tolist())
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_evictions_and_groups_inside_verify_steps_keep_plain_greedy_tokens(how):
+    """A 64-token capacity plan (K4/V8, groups of 32) that evicts every few decode steps, reserve=4, verify steps of
+    up to 5 tokens: each row of a verify step attends what one-by-one decoding holds at its token (an eviction or
+    a K group quantized inside the step is seen by the rows after it only), so the tokens are plain greedy's
+    (fp32 tiny model, two prompts; without the per-row verify attention both differ, from tokens 14 / 4 and
+    35 / 9)."""
+    torch.manual_seed(0)
+    model, draft = _model(), _model()
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    plan = RoutingPlan.uniform(LayerConfig(0.5, 4, 8), FP, 64, scorer="snapkv")
+    prepare(model, plan, reserve=4)
+    try:
+        extra = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": draft}
+        kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+        for seed in range(2):
+            ids = torch.randint(3, 256, (1, 40 + 9 * seed), generator=torch.Generator().manual_seed(seed))
+            want = model.generate(ids, **kw)
+            cache = BudgetWatch(plan, rope=rope_from_model(model), reserve=4)
+            got = model.generate(ids, cache=cache, **extra, **kw)
+            assert torch.equal(got, want), (seed, got[0, ids.shape[1]:].tolist(), want[0, ids.shape[1]:].tolist())
+            assert all(layer.evictions > 3 for layer in cache.layers)
+    finally:
+        unprepare(model)
 
 
 @torch.no_grad()
