@@ -101,24 +101,29 @@ def measure_prompt(model: Any, draft: Any, ids: torch.Tensor, plan: RoutingPlan,
 
 
 def bench_ties(model: Any, draft: Any, tokenizer: Any, settings: TieSettings, *, table: Any,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every prompt length's rows; the result dict (meta, rows)."""
+               log: Callable[[str], None] = print,
+               on_prompt: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every prompt length's rows; the result dict (meta, rows), also given to ``on_prompt`` after each prompt
+    (e.g. to write what is measured so far)."""
     from moend_fx.bench.speculative import prompt_ids
     from moend_fx.solvers import get_solver
 
     draft.generation_config.num_assistant_tokens = settings.assistant_tokens
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     plan = get_solver("greedy").solve(table, settings.budget, context_length=settings.plan_context).plan
-    rows = []
+    meta = {**asdict(settings), "plan": f"greedy on the sensitivity table at {settings.budget} for "
+            f"{settings.plan_context} tokens", "torch": torch.__version__}
+    result: dict[str, Any] = {"format": "moend_fx.bench.speculative_ties", "version": 1, "meta": meta, "rows": []}
     for i, length in enumerate(settings.lengths):
-        rows += measure_prompt(model, draft, prompt_ids(tokenizer, length, settings.seed + i), plan, settings, table)
-        for r in rows[-3:]:
+        rows = measure_prompt(model, draft, prompt_ids(tokenizer, length, settings.seed + i), plan, settings, table)
+        result["rows"] += rows
+        for r in rows:
             log(f"{length}: {r['cache']} {r['variant']}: first difference {r['first_difference']}, drift max "
                 f"{r['drift_max']:.2g}" + (f", gaps {r['plain_gap']:.3g} / {r['variant_gap']:.3g}"
                                            if r["first_difference"] is not None else ""))
-    meta = {**asdict(settings), "plan": f"greedy on the sensitivity table at {settings.budget} for "
-            f"{settings.plan_context} tokens", "torch": torch.__version__}
-    return {"format": "moend_fx.bench.speculative_ties", "version": 1, "meta": meta, "rows": rows}
+        if on_prompt is not None:
+            on_prompt(result)
+    return result
 
 
 def ties_markdown(result: dict[str, Any]) -> str:

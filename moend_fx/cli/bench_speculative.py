@@ -48,7 +48,13 @@ def _ties(args: argparse.Namespace, model: Any, tokenizer: Any, table: Any) -> d
     settings = TieSettings(lengths=tuple(int_list(args.contexts, "--contexts", example="1024,2000")),
                            new_tokens=args.new_tokens, budget=args.budget, plan_context=args.plan_context,
                            reserve=args.reserve, assistant_tokens=args.draft_tokens)
-    return bench_ties(model, draft, tokenizer, settings, table=table)
+    from moend_fx.bench.speculative import write_results
+    from moend_fx.bench.speculative_ties import ties_markdown
+    from moend_fx.cli.bench_commands import command_line
+
+    name = "ties" if args.name == "speculative" else args.name
+    return bench_ties(model, draft, tokenizer, settings, table=table, on_prompt=lambda result: write_results(
+        result, Path(args.out), command_line(args), name, ties_markdown))  # what is measured so far
 
 
 def cmd_speculative(args: argparse.Namespace) -> int:
