@@ -249,8 +249,9 @@ TABLES: tuple[PublishedTable, ...] = (
                    "--budgets 8x,14x,20x --methods full,2d_uniform,2d_uniform_matched,pyramid,2d_hetero --threads 1 "
                    "--out results/gemma3-eval-L (L: --lengths 4096 --n 20; 8192 --n 10; 16384 --n 10), pooled with "
                    "moend report RUN... --out docs/data/gemma3", gemma_table),
-    PublishedTable("speculative", "moend bench speculative --contexts 4096 --new-tokens 64 --draft-tokens 4 "
-                   "--table <the snapkv_trig table> --out docs/data/speculative", speculative_table),
+    PublishedTable("speculative", "moend bench speculative --contexts N --batches 1,8 --lock /tmp/moend_bench.lock "
+                   "--name speculative-N --table <the snapkv_trig table> --out docs/data/speculative",
+                   speculative_table),
     PublishedTable("proxy", "moend bench proxy --threads 2 --doc '' --out docs/data/proxy/SUB "
                    "(SUB plain-text: --tail 0; "
                    "query-aware: --table the snapkv_trig table)", proxy_table),
