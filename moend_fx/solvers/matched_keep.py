@@ -56,12 +56,12 @@ def largest_keep(table: SensitivityTable, config: LayerConfig, budget_bytes: int
     group packs, a partial one stays 16-bit), so every count is priced, from the top down."""
     # the table prices every config with the default kept-token floor, and so do the plans solved on it
     start = keep_count(context_length, config.keep_ratio, DEFAULT_KEEP_FLOOR)
-    for n in range(context_length, start, -1):
+    for n in range(context_length, start - 1, -1):
         filled = LayerConfig(n / context_length, config.k_bits, config.v_bits)
         if uniform_bytes(table, filled, context_length) <= budget_bytes:
             return filled
-    # ``config`` itself (its keep count ``start``): on a sliding layer its grid ratio can keep fewer tokens of the
-    # window than start / context_length would
+    # ``config`` itself (its keep count ``start`` too): on a sliding layer its grid ratio can keep fewer tokens of
+    # the window than start / context_length does, so it can fit where that ratio does not
     if uniform_bytes(table, config, context_length) <= budget_bytes:
         return config
     raise PlanError(f"{config.name} does not fit {budget_bytes} bytes at {context_length} tokens; fill a plan "
