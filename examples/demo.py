@@ -56,10 +56,10 @@ def load_or_calibrate(model, tok, path: Path, tokens: int, scorer: str) -> Sensi
 # compiler, and when compiling pays back"), by the inner compiler the backend picks for the model's device
 # (inner="auto": aot_eager on CPU, inductor on CUDA). aot_eager: the trace only, the same every run.
 # inductor: a cold compile fills inductor's on-disk cache, a later run reads it back.
-# The whole first generate (compile + prefill + 12 tokens) with aot_eager: 65 s on 1 busy thread (issue 57);
-# the compile alone 35 s on 2 idle cores.
-FIRST_GENERATE_S = {"aot_eager": "about 35 s of compile on 2 idle cores, about 65 s for the whole first generate "
-                                  "on 1 busy thread"}
+# The whole first generate (compile + prefill + 12 tokens) with aot_eager: 110 s on 2 cores shared with other work
+# (load 4-6, 2026-12-08), 65 s on 1 busy thread (issue 57); the compile alone 35 s on 2 idle cores.
+FIRST_GENERATE_S = {"aot_eager": "about 35 s of compile on 2 idle cores; the whole first generate took 110 s on 2 "
+                                  "cores shared with other work"}
 INDUCTOR_COLD_S = {"2 idle cores": 86, "1 busy thread": 145}
 INDUCTOR_WARM_S = 21
 RESULTS = "docs/results.md#accuracy-vs-memory"
